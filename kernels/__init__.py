@@ -1,0 +1,1 @@
+"""Triton kernels, installed as megatron_dapo.kernels."""

@@ -1,0 +1,30 @@
+"""Pure tensor math of DAPO: no Megatron, no I/O, no distributed calls."""
+
+from megatron_dapo.algorithm.advantages import group_advantages
+from megatron_dapo.algorithm.filters import informative_groups
+from megatron_dapo.algorithm.overlong import overlong_filter_mask, soft_overlong_punishment
+from megatron_dapo.algorithm.policy_loss import (
+    LOSS_AGG_MODES,
+    STAT_KEYS,
+    PolicyLoss,
+    loss_metrics,
+    policy_loss,
+    reduce_stats,
+    token_policy_loss,
+    truncated_is_weight,
+)
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "STAT_KEYS",
+    "PolicyLoss",
+    "group_advantages",
+    "informative_groups",
+    "loss_metrics",
+    "overlong_filter_mask",
+    "policy_loss",
+    "reduce_stats",
+    "soft_overlong_punishment",
+    "token_policy_loss",
+    "truncated_is_weight",
+]

@@ -1,0 +1,25 @@
+"""Group-relative advantages (GRPO / DAPO eq. 4)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (R_i - mean(R)) / (std(R) + eps) within each group, std unbiased (torch's default).
+
+    rewards: [N, G] (any float dtype) shaped rewards of N groups of G responses.
+    Returns [N, G] float32; the trainer broadcasts A_i to every token of response i.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"group_advantages: rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}"
+        )
+    if rewards.shape[1] < 2:
+        raise ValueError(f"group_advantages: group_size must be >= 2 for a standard deviation, got {rewards.shape[1]}")
+    r = rewards.float()
+    if r.shape[0] == 0:
+        return r
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True)  # unbiased (G - 1), as the paper's reference code
+    return (r - mean) / (std + eps)

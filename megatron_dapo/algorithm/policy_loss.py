@@ -1,0 +1,184 @@
+"""The DAPO policy loss (paper eq. 8): decoupled clip, token-level aggregation.
+
+Per valid token, with r = exp(logp - old_logp) and the response's advantage A:
+
+    l = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+    l = min(l, -c * A)            for A < 0, when dual clip c is set (verl's clip_ratio_c)
+    l = w * l                     when truncated-IS weights w are given
+
+The functions here return *sums* and the count to divide them by, never a mean: the
+token-mean must be taken over every valid token of the whole mini-batch, across
+micro-batches, pipeline stages and data-parallel ranks, and only the caller knows that
+count. All math is float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+# The statistics policy_loss returns, as sums over valid tokens (reduce them across
+# micro-batches and ranks by summing, except ratio_max which reduces by max).
+STAT_KEYS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "ratio_max", "approx_kl_sum")
+
+
+@dataclass
+class PolicyLoss:
+    """What one micro-batch contributes to the mini-batch loss."""
+
+    loss_sum: torch.Tensor
+    """[] float32, differentiable. token-mean: the sum of token losses; seq-mean-token-mean:
+    the sum over responses of each response's mean token loss."""
+    normalizer: torch.Tensor
+    """[] float32: what loss_sum is divided by once summed over the mini-batch: valid tokens
+    (token-mean) or responses with at least one valid token (seq-mean-token-mean)."""
+    stats: dict[str, torch.Tensor]
+    """STAT_KEYS -> [] float32, detached."""
+
+
+def token_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: Optional[float] = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate loss, no masking.
+
+    logp, old_logp, advantages: [...] (same shape; advantages already broadcast to tokens).
+    Returns (loss [...] float32, flags) with flags: ratio [...], clip_low/clip_high/clip_dual [...] bool.
+    The log-ratio is clamped to +-log_ratio_clamp so exp() stays finite; beyond it the
+    gradient is zero, where the clip would have stopped it anyway for A > 0.
+    """
+    adv = advantages.float()
+    log_ratio = (logp.float() - old_logp.float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)  # -min(rA, clip(r)A)
+    flags = {
+        "ratio": ratio.detach(),
+        # where the clip is the active branch of the min: it zeroes the token's gradient
+        "clip_low": (adv < 0) & (ratio.detach() < 1.0 - eps_low),
+        "clip_high": (adv > 0) & (ratio.detach() > 1.0 + eps_high),
+    }
+    if dual_clip_c is not None:
+        cap = -adv * dual_clip_c  # > 0 where A < 0
+        flags["clip_dual"] = (adv < 0) & (loss.detach() > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+    else:
+        flags["clip_dual"] = torch.zeros_like(flags["clip_low"])
+    return loss, flags
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip_c: Optional[float] = None,
+    is_weight: Optional[torch.Tensor] = None,
+    loss_agg_mode: str = "token-mean",
+    log_ratio_clamp: float = 20.0,
+) -> PolicyLoss:
+    """The DAPO loss of one micro-batch, as a sum plus its normaliser.
+
+    logp:       [B, T] current policy's response-token logprobs (fp32 or bf16), differentiable
+    old_logp:   [B, T] logprobs of the policy that sampled (recomputed by the trainer)
+    advantages: [B] per response or [B, T] per token
+    mask:       [B, T] bool/0-1, True on valid response tokens
+    is_weight:  [B, T] optional truncated-IS weights (see truncated_is_weight), not differentiated
+    The mini-batch loss is sum(loss_sum) / sum(normalizer) over its micro-batches and ranks.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"policy_loss: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
+    if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
+        raise ValueError(
+            f"policy_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+            f"{tuple(mask.shape)} must all be the same [B, T]"
+        )
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.expand(logp.shape)
+    mask = mask.bool()
+    # Zero padding before the math: NaN/inf there would otherwise leak into the gradient.
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    logp = torch.where(mask, logp.float(), zero)
+    old_logp = torch.where(mask, old_logp.float(), zero)
+    advantages = torch.where(mask, advantages.float(), zero)
+
+    loss, flags = token_policy_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip_c, log_ratio_clamp)
+    if is_weight is not None:
+        loss = loss * torch.where(mask, is_weight.detach().float(), zero)
+    loss = torch.where(mask, loss, zero)
+
+    if loss_agg_mode == "token-mean":
+        loss_sum = loss.sum()
+        normalizer = mask.sum().float()
+    else:  # seq-mean-token-mean: each response weighs the same, whatever its length
+        tokens_per_seq = mask.sum(dim=1)
+        loss_sum = (loss.sum(dim=1) / tokens_per_seq.clamp(min=1)).sum()
+        normalizer = (tokens_per_seq > 0).sum().float()
+
+    ratio = flags["ratio"]
+    log_ratio = torch.log(ratio)
+    stats = {
+        "tokens": mask.sum().float(),
+        "clip_low": (flags["clip_low"] & mask).sum().float(),
+        "clip_high": (flags["clip_high"] & mask).sum().float(),
+        "clip_dual": (flags["clip_dual"] & mask).sum().float(),
+        "ratio_sum": torch.where(mask, ratio, zero).sum(),
+        "ratio_max": torch.where(mask, ratio, zero).max() if mask.any() else zero.clone(),
+        # k3 estimator of KL(pi_old || pi): (r - 1) - log r, >= 0 and low-variance
+        "approx_kl_sum": torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum(),
+    }
+    return PolicyLoss(loss_sum=loss_sum, normalizer=normalizer, stats=stats)
+
+
+def truncated_is_weight(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float, log_ratio_clamp: float = 20.0
+) -> torch.Tensor:
+    """Truncated importance sampling for the rollout-vs-training mismatch.
+
+    w = min(pi_train_old / pi_rollout, cap) per token, from the training policy's recomputed
+    old_logp and the rollout engine's sampling logprobs. old_logp, rollout_logp: [B, T].
+    Returns [B, T] float32, detached.
+    """
+    if cap <= 0:
+        raise ValueError(f"truncated_is_weight: cap={cap} must be > 0")
+    log_w = (old_logp.detach().float() - rollout_logp.detach().float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def reduce_stats(stats_list: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Combine STAT_KEYS dicts of several micro-batches (sum; max for ratio_max)."""
+    if not stats_list:
+        return {k: torch.zeros(()) for k in STAT_KEYS}
+    out = {}
+    for k in STAT_KEYS:
+        vals = torch.stack([s[k] for s in stats_list])
+        out[k] = vals.max() if k == "ratio_max" else vals.sum()
+    return out
+
+
+def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Fractions and means for the logs, from summed statistics (zero when nothing was valid)."""
+    tokens = float(stats["tokens"])
+    denom = max(tokens, 1.0)
+    return {
+        "actor/clip_frac_low": float(stats["clip_low"]) / denom,
+        "actor/clip_frac_high": float(stats["clip_high"]) / denom,
+        "actor/clip_frac_dual": float(stats["clip_dual"]) / denom,
+        "actor/ratio_mean": float(stats["ratio_sum"]) / denom if tokens else 0.0,
+        "actor/ratio_max": float(stats["ratio_max"]),
+        "actor/approx_kl": float(stats["approx_kl_sum"]) / denom,
+        "actor/tokens": tokens,
+    }

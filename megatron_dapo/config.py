@@ -1,0 +1,337 @@
+"""One typed config tree for megatron-dapo.
+
+Every field is a dataclass field with the DAPO paper's value (Yu et al. 2025,
+arXiv 2503.14476) as its default. A run's config is the defaults, then a YAML file,
+then dotted command-line overrides (``algorithm.eps_high=0.28``), merged by
+OmegaConf structured configs, which check types. On top of that:
+
+- an unknown key is an error that names the source and the nearest valid key;
+- impossible values (negative eps, an overlong buffer longer than the maximum
+  response, a group of one) are errors that name the field and what was expected.
+
+    cfg = load_config("examples/tiny_cpu.yaml", ["algorithm.eps_high=0.3"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_dapo.algorithm.policy_loss import LOSS_AGG_MODES
+
+SAMPLER_MODES = ("fill", "dynamic_bs")
+DATASET_FORMATS = ("auto", "dapo", "gsm8k")
+BAD_ROW_POLICIES = ("error", "skip")
+VERIFIERS = ("auto", "dapo", "math_verify")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the source, the field and what was expected."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The DAPO objective (paper section 3)."""
+
+    group_size: int = 16
+    """G: responses sampled per prompt. Must be >= 2: a group of one has no variance."""
+    eps_low: float = 0.2
+    """Clip-Higher lower bound: the ratio is clipped below at 1 - eps_low."""
+    eps_high: float = 0.28
+    """Clip-Higher upper bound: the ratio is clipped above at 1 + eps_high."""
+    dual_clip_c: Optional[float] = None
+    """Dual clip for negative advantages (verl's clip_ratio_c, 10 there): the token
+    loss is capped at -c * A. None turns it off, as in the paper. Must be > 1."""
+    loss_agg_mode: str = "token-mean"
+    """'token-mean' (DAPO: every valid token of the mini-batch weighs the same) or
+    'seq-mean-token-mean' (GRPO: mean over tokens per response, then over responses)."""
+    adv_eps: float = 1e-6
+    """Added to the group's standard deviation: A = (R - mean) / (std + adv_eps)."""
+    log_ratio_clamp: float = 20.0
+    """|logp - old_logp| is clamped to this before exp(), so huge differences never give inf/NaN."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the rollout engine's logprobs: each token's
+    loss is weighted by min(exp(old_logp - rollout_logp), tis_cap). None turns it off."""
+    dynamic_sampling: bool = True
+    """Keep only informative groups (0 < #correct < G). Off: every group is trained on (GRPO)."""
+    overlong_punishment: bool = True
+    """Soft overlong punishment added to the reward (paper eq. 13)."""
+    overlong_buffer_len: int = 4096
+    """L_cache: the length of the punishment interval just below rollout.max_response_length."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty at and beyond max_response_length; it grows linearly to it inside the buffer."""
+    overlong_filter: bool = False
+    """Overlong filtering: responses truncated at the length limit are masked out of the loss."""
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling parameters shared by the rollout engine and reward shaping."""
+
+    max_response_length: int = 20480
+    """L_max: the generation limit in tokens (16384 + the 4096 overlong buffer in the paper)."""
+    temperature: float = 1.0
+    """Sampling temperature (the paper trains at 1.0); logprobs are taken at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling during training rollouts (1.0 in the paper; evaluation uses 0.7)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet files with the DAPO-Math-17K or GSM8K schema."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files for periodic evaluation."""
+    format: str = "auto"
+    """'dapo' (prompt messages + reward_model.ground_truth), 'gsm8k' (question + answer
+    ending in '#### N'), or 'auto' (decided per row from the keys present)."""
+    dedup: bool = True
+    """Drop rows whose prompt text was already seen (DAPO-Math-17K repeats each prompt ~100 times)."""
+    on_bad_row: str = "error"
+    """'error' stops at the first malformed row naming file, row and field; 'skip' drops
+    it and counts it in the dataset's statistics."""
+    max_prompt_length: int = 2048
+    """Prompts longer than this many tokens after the chat template are dropped and counted."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (deterministically from seed and epoch)."""
+
+
+@dataclass
+class SamplerConfig:
+    """The dynamic-sampling loader (paper section 3.2)."""
+
+    train_batch_size: int = 512
+    """Prompt groups per rollout step (512 prompts x 16 responses in the paper)."""
+    gen_batch_size: int = 1536
+    """Prompts sent to the rollout engine per generation round (3 x train_batch_size, as verl's DAPO recipe)."""
+    max_gen_batches: int = 10
+    """Generation rounds allowed per rollout step before a clear error; 0 = no cap."""
+    mode: str = "fill"
+    """'fill': keep generating until train_batch_size informative groups are collected,
+    carrying the surplus to the next step. 'dynamic_bs' (AReaL): train on whatever one
+    round accepted."""
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based verifiers, run in a process pool."""
+
+    verifier: str = "auto"
+    """'dapo' (last 'Answer:' line), 'math_verify' (LaTeX/boxed, GSM8K '#### N' golds),
+    'auto' (dapo when the prompt's data_source names dapo, else math_verify), or a user
+    function 'package.module:function' taking (response, ground_truth)."""
+    num_workers: int = 2
+    """Scoring processes."""
+    timeout_s: float = 5.0
+    """Wall-clock limit per response; a response over it scores as incorrect and is
+    counted in reward/timeouts (its worker is killed and replaced)."""
+    worker_memory_mb: int = 4096
+    """Address-space limit of a scoring process, so one pathological answer cannot eat the node."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then a constant learning rate (paper section 4.1)."""
+
+    lr: float = 1e-6
+    """Peak (and constant, after warm-up) learning rate."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to lr, counted in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW's decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    mini_batch_size: int = 512
+    """Responses per optimizer step: 512 x 16 responses per rollout step give 16 updates."""
+
+
+@dataclass
+class Config:
+    """The root of the tree."""
+
+    seed: int = 42
+    """Seeds the prompt order (and, in later stages, model init and sampling)."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """See AlgorithmConfig."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """See RolloutConfig."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """See DataConfig."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """See SamplerConfig."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """See RewardConfig."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """See OptimConfig."""
+
+    def validate(self) -> Config:
+        """Raise ConfigError for values that cannot run; return self."""
+        a, r, s = self.algorithm, self.rollout, self.sampler
+        _check(
+            a.group_size >= 2, "algorithm.group_size", a.group_size, "an integer >= 2 (a group of one has no variance)"
+        )
+        _check(
+            0 <= a.eps_low < 1,
+            "algorithm.eps_low",
+            a.eps_low,
+            "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
+        )
+        _check(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "a value >= 0")
+        if a.dual_clip_c is not None:
+            _check(
+                a.dual_clip_c > 1, "algorithm.dual_clip_c", a.dual_clip_c, "a value > 1, or null to turn dual clip off"
+            )
+        if a.tis_cap is not None:
+            _check(a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "a value > 0, or null to turn truncated IS off")
+        _check(
+            a.loss_agg_mode in LOSS_AGG_MODES, "algorithm.loss_agg_mode", a.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
+        )
+        _check(a.adv_eps > 0, "algorithm.adv_eps", a.adv_eps, "a value > 0")
+        _check(a.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", a.log_ratio_clamp, "a value > 0")
+        _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, "an integer >= 1")
+        if a.overlong_punishment:
+            _check(
+                1 <= a.overlong_buffer_len <= r.max_response_length,
+                "algorithm.overlong_buffer_len",
+                a.overlong_buffer_len,
+                f"an integer in [1, rollout.max_response_length={r.max_response_length}]",
+            )
+            _check(
+                a.overlong_penalty_factor >= 0,
+                "algorithm.overlong_penalty_factor",
+                a.overlong_penalty_factor,
+                "a value >= 0",
+            )
+        _check(r.temperature > 0, "rollout.temperature", r.temperature, "a value > 0")
+        _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
+        _check(self.data.format in DATASET_FORMATS, "data.format", self.data.format, f"one of {DATASET_FORMATS}")
+        _check(
+            self.data.on_bad_row in BAD_ROW_POLICIES,
+            "data.on_bad_row",
+            self.data.on_bad_row,
+            f"one of {BAD_ROW_POLICIES}",
+        )
+        _check(
+            self.data.max_prompt_length >= 1, "data.max_prompt_length", self.data.max_prompt_length, "an integer >= 1"
+        )
+        _check(s.train_batch_size >= 1, "sampler.train_batch_size", s.train_batch_size, "an integer >= 1")
+        _check(s.gen_batch_size >= 1, "sampler.gen_batch_size", s.gen_batch_size, "an integer >= 1")
+        _check(s.max_gen_batches >= 0, "sampler.max_gen_batches", s.max_gen_batches, "an integer >= 0 (0 = no cap)")
+        _check(s.mode in SAMPLER_MODES, "sampler.mode", s.mode, f"one of {SAMPLER_MODES}")
+        _check(
+            self.reward.verifier in VERIFIERS or ":" in self.reward.verifier,
+            "reward.verifier",
+            self.reward.verifier,
+            f"one of {VERIFIERS} or a user function 'package.module:function'",
+        )
+        _check(self.reward.num_workers >= 1, "reward.num_workers", self.reward.num_workers, "an integer >= 1")
+        _check(self.reward.timeout_s > 0, "reward.timeout_s", self.reward.timeout_s, "a value > 0")
+        _check(
+            self.reward.worker_memory_mb >= 256,
+            "reward.worker_memory_mb",
+            self.reward.worker_memory_mb,
+            "an integer >= 256",
+        )
+        o = self.optim
+        _check(o.lr > 0, "optim.lr", o.lr, "a value > 0")
+        _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
+        _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a value >= 0")
+        _check(o.clip_grad > 0, "optim.clip_grad", o.clip_grad, "a value > 0")
+        _check(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "an integer >= 1")
+        responses = s.train_batch_size * a.group_size
+        if s.mode == "fill":
+            _check(
+                responses % o.mini_batch_size == 0,
+                "optim.mini_batch_size",
+                o.mini_batch_size,
+                f"a divisor of sampler.train_batch_size x algorithm.group_size = {responses} responses per rollout step",
+            )
+        return self
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {key}={value!r}: expected {expected}")
+
+
+def _check_keys(node: Any, schema: type, source: str, prefix: str = "") -> None:
+    """Reject keys the dataclass tree does not have, suggesting the nearest valid one."""
+    if not isinstance(node, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            valid = [f"{prefix}{name}" for name in fields]
+            near = difflib.get_close_matches(full, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys here: {', '.join(valid)}"
+            raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{source}: config key '{full}' is a section; expected a mapping, got {value!r}")
+            _check_keys(value, sub, source, f"{full}.")
+
+
+def _merge(base: Any, update: dict, source: str) -> Any:
+    try:
+        return OmegaConf.merge(base, update)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"{source}: config field {key}: {msg}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- dotted overrides, type-checked and validated.
+
+    overrides: ["algorithm.eps_high=0.3", "data.train_files=[a.jsonl,b.jsonl]"]
+    """
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        _check_keys(loaded, Config, f"config file {path}")
+        cfg = _merge(cfg, loaded, f"config file {path}")
+    if overrides:
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"command-line override '{item}': expected KEY=VALUE, e.g. algorithm.eps_high=0.28")
+        try:
+            dotted = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"command-line overrides: {str(e).splitlines()[0]}") from None
+        _check_keys(dotted, Config, "command-line override")
+        cfg = _merge(cfg, dotted, "command-line override")
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config)
+    return obj.validate()
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, for logs and checkpoints."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,1 @@
+"""Prompt datasets, the offline problem generator and the dynamic-sampling loader."""

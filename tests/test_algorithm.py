@@ -1,0 +1,352 @@
+"""DAPO math against float64 references written out here, with fresh random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_dapo.algorithm import (
+    group_advantages,
+    informative_groups,
+    loss_metrics,
+    overlong_filter_mask,
+    policy_loss,
+    reduce_stats,
+    soft_overlong_punishment,
+    truncated_is_weight,
+)
+
+# ------------------------------------------------------------------ references (float64, plain Python)
+
+
+def ref_advantages(row: list[float], eps: float = 1e-6) -> list[float]:
+    g = len(row)
+    mean = sum(row) / g
+    std = math.sqrt(sum((x - mean) ** 2 for x in row) / (g - 1))
+    return [(x - mean) / (std + eps) for x in row]
+
+
+def ref_overlong(length: int, l_max: int, l_cache: int, factor: float) -> float:
+    if length <= l_max - l_cache:
+        return 0.0
+    if length <= l_max:
+        return ((l_max - l_cache) - length) / l_cache * factor
+    return -factor
+
+
+def ref_token(lp, olp, a, eps_low, eps_high, c=None, w=1.0, clamp=20.0):
+    """Piecewise form (seed 001's): A>=0 clips only above, A<0 only below. Returns (loss, dloss/dlogp)."""
+    d = lp - olp
+    clamped = abs(d) > clamp
+    r = math.exp(max(-clamp, min(clamp, d)))
+    if a >= 0:
+        loss = -a * min(r, 1 + eps_high)
+        grad = -a * r if r < 1 + eps_high else 0.0
+    else:
+        loss = -a * max(r, 1 - eps_low)
+        grad = -a * r if r > 1 - eps_low else 0.0
+        if c is not None and loss > -a * c:
+            loss, grad = -a * c, 0.0
+    if clamped:
+        grad = 0.0
+    return w * loss, w * grad
+
+
+def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode="token-mean"):
+    """Returns (loss_sum, normalizer, dL/dlogp of loss_sum/normalizer) as float64 lists."""
+    b, t = len(lp), len(lp[0])
+    losses = [[0.0] * t for _ in range(b)]
+    grads = [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        for j in range(t):
+            if mask[i][j]:
+                wij = 1.0 if w is None else w[i][j]
+                losses[i][j], grads[i][j] = ref_token(lp[i][j], olp[i][j], adv[i], eps_low, eps_high, c, wij)
+    if mode == "token-mean":
+        n = sum(sum(1 for m in row if m) for row in mask)
+        total = sum(map(sum, losses))
+        scale = [[1.0 / n if n else 0.0] * t for _ in range(b)]
+    else:
+        lens = [sum(1 for m in row if m) for row in mask]
+        n = sum(1 for k in lens if k)
+        total = sum(sum(losses[i]) / lens[i] for i in range(b) if lens[i])
+        scale = [[1.0 / (lens[i] * n) if lens[i] else 0.0] * t for i in range(b)]
+    grad = [[grads[i][j] * scale[i][j] for j in range(t)] for i in range(b)]
+    return total, float(n), grad
+
+
+def random_batch(b=6, t=23, spread=0.4, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    logp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
+    old_logp = logp + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    return logp, old_logp, adv, mask
+
+
+def run_loss(logp, old_logp, adv, mask, **kw):
+    lp = logp.clone().float().requires_grad_(True)
+    out = policy_loss(lp, old_logp.float(), adv.float(), mask, **kw)
+    (out.loss_sum / out.normalizer.clamp(min=1)).backward()
+    out.loss_sum = out.loss_sum.detach()
+    return out, lp.grad
+
+
+# ------------------------------------------------------------------ advantages
+
+
+def test_group_advantages_match_reference():
+    rewards = torch.randn(7, 16, dtype=torch.float64).round() + torch.rand(7, 16, dtype=torch.float64) * 0.3
+    got = group_advantages(rewards)
+    assert got.dtype == torch.float32
+    for i in range(7):
+        assert got[i].tolist() == pytest.approx(ref_advantages(rewards[i].tolist()), rel=1e-5, abs=1e-5)
+
+
+def test_group_advantages_edge_cases():
+    same = torch.full((3, 4), 0.7)
+    assert torch.equal(group_advantages(same), torch.zeros(3, 4))  # no signal, no NaN
+    two = group_advantages(torch.tensor([[1.0, -1.0]]))
+    assert two.tolist()[0] == pytest.approx(ref_advantages([1.0, -1.0]), rel=1e-6)
+    assert group_advantages(torch.zeros(0, 16)).shape == (0, 16)
+    bf16 = group_advantages(torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.bfloat16))
+    assert bf16.dtype == torch.float32
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(torch.ones(3, 1))
+    with pytest.raises(ValueError, match="num_groups, group_size"):
+        group_advantages(torch.ones(8))
+
+
+# ------------------------------------------------------------------ overlong
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_soft_overlong_punishment_paper_formula(factor):
+    l_max, l_cache = 20480, 4096
+    lengths = [0, 1, 16383, 16384, 16385, 18432, 20479, 20480, 20481, 30000]
+    lengths += torch.randint(0, 25000, (50,)).tolist()
+    got = soft_overlong_punishment(torch.tensor(lengths), l_max, l_cache, factor)
+    assert got.dtype == torch.float32
+    for n, v in zip(lengths, got.tolist()):
+        assert v == pytest.approx(ref_overlong(n, l_max, l_cache, factor), abs=1e-6), n
+    # the paper's landmarks: free up to 16384, -0.5 half way into the buffer, -1 at and past L_max
+    assert soft_overlong_punishment(torch.tensor([16384, 18432, 20480, 25000]), l_max, l_cache).tolist() == [
+        0.0,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
+
+
+def test_soft_overlong_punishment_bad_input():
+    with pytest.raises(ValueError, match="overlong_buffer_len=5000"):
+        soft_overlong_punishment(torch.tensor([1]), 4096, 5000)
+    with pytest.raises(ValueError, match=">= 0"):
+        soft_overlong_punishment(torch.tensor([-1]), 4096, 1024)
+    assert soft_overlong_punishment(torch.tensor([], dtype=torch.long), 10, 5).shape == (0,)
+
+
+def test_overlong_filter_mask():
+    assert overlong_filter_mask(torch.tensor([True, False, True])).tolist() == [False, True, False]
+
+
+# ------------------------------------------------------------------ informative groups
+
+
+def test_informative_groups_on_raw_correctness():
+    correct = torch.rand(50, 8) < torch.rand(50, 1)  # per-group success rates, many all/none
+    correct[0] = True
+    correct[1] = False
+    got = informative_groups(correct).tolist()
+    want = [0 < sum(row) < 8 for row in correct.tolist()]
+    assert got == want
+    assert got[0] is False and got[1] is False
+    with pytest.raises(ValueError):
+        informative_groups(torch.ones(4, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ policy loss
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+def test_policy_loss_matches_reference(mode, dual_clip_c):
+    logp, old_logp, adv, mask = random_batch(spread=1.0)
+    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=dual_clip_c, loss_agg_mode=mode)
+    out, grad = run_loss(logp, old_logp, adv, mask, **kw)
+    total, n, ref_grad = ref_policy_loss(
+        logp.tolist(), old_logp.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip_c, mode=mode
+    )
+    assert float(out.normalizer) == n
+    assert float(out.loss_sum) == pytest.approx(total, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+
+
+def test_policy_loss_stats_match_reference():
+    logp, old_logp, adv, mask = random_batch(b=8, t=40, spread=1.5)
+    out = policy_loss(logp.float(), old_logp.float(), adv.float(), mask, eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
+    low = high = dual = 0
+    ratios, kls = [], []
+    for i in range(8):
+        for j in range(40):
+            if not mask[i, j]:
+                continue
+            r = math.exp(float(logp[i, j] - old_logp[i, j]))
+            a = float(adv[i])
+            low += a < 0 and r < 0.8
+            high += a > 0 and r > 1.28
+            dual += a < 0 and r > 3.0
+            ratios.append(r)
+            kls.append(r - 1 - math.log(r))
+    s = out.stats
+    assert (float(s["clip_low"]), float(s["clip_high"]), float(s["clip_dual"])) == (low, high, dual)
+    assert float(s["tokens"]) == len(ratios)
+    assert float(s["ratio_sum"]) == pytest.approx(sum(ratios), rel=1e-5)
+    assert float(s["ratio_max"]) == pytest.approx(max(ratios), rel=1e-5)
+    assert float(s["approx_kl_sum"]) == pytest.approx(sum(kls), rel=1e-4)
+    m = loss_metrics(s)
+    assert m["actor/clip_frac_low"] == pytest.approx(low / len(ratios))
+    assert m["actor/ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+
+
+def test_decoupled_clip_is_asymmetric():
+    # ratio 0.75 < 1 - 0.2 is clipped low; ratio 1.25 < 1 + 0.28 is not clipped high.
+    logp = torch.log(torch.tensor([[0.75, 1.25]]))
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    neg, grad_neg = run_loss(logp, old, torch.tensor([-1.0]), mask, eps_low=0.2, eps_high=0.28)
+    assert float(neg.stats["clip_low"]) == 1.0
+    assert grad_neg[0, 0] == 0.0 and grad_neg[0, 1] != 0.0  # the clipped token carries no gradient
+    pos, grad_pos = run_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
+    assert float(pos.stats["clip_high"]) == 0.0 and (grad_pos != 0).all()
+    sym, grad_sym = run_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2)
+    assert float(sym.stats["clip_high"]) == 1.0 and grad_sym[0, 1] == 0.0
+
+
+def test_policy_loss_edge_cases():
+    logp, old_logp, adv, _ = random_batch(b=3, t=5)
+    # all masked, with garbage in the padding: zero loss, zero gradient, no NaN
+    logp[0, 0] = float("nan")
+    old_logp[1, 1] = float("-inf")
+    none = torch.zeros(3, 5, dtype=torch.bool)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        out, grad = run_loss(logp, old_logp, adv, none, loss_agg_mode=mode)
+        assert float(out.loss_sum) == 0.0 and float(out.normalizer) == 0.0
+        assert torch.equal(grad, torch.zeros_like(grad))
+    assert loss_metrics(out.stats)["actor/ratio_mean"] == 0.0
+    # padding garbage next to valid tokens stays out of the gradient
+    some = torch.zeros(3, 5, dtype=torch.bool)
+    some[2, :3] = True
+    out, grad = run_loss(logp, old_logp, adv, some)
+    assert torch.isfinite(grad).all() and float(out.normalizer) == 3.0
+    # one token
+    one = torch.zeros(3, 5, dtype=torch.bool)
+    one[1, 4] = True
+    out, grad = run_loss(logp, old_logp, adv, one)
+    want_loss, want_grad = ref_token(float(logp[1, 4]), float(old_logp[1, 4]), float(adv[1]), 0.2, 0.28)
+    assert float(out.loss_sum) == pytest.approx(want_loss, rel=1e-5)
+    assert float(grad[1, 4]) == pytest.approx(want_grad, rel=1e-5)
+    assert int((grad != 0).sum()) <= 1
+    # all advantages zero
+    logp[0, 0], old_logp[1, 1] = -1.0, -1.0
+    out, grad = run_loss(logp, old_logp, torch.zeros(3, dtype=torch.float64), torch.ones(3, 5, dtype=torch.bool))
+    assert float(out.loss_sum) == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("delta", [50.0, -50.0])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_huge_log_ratios_stay_finite(delta, sign):
+    old = torch.full((2, 3), -60.0)
+    logp = old + delta
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([sign, sign])
+    for c in (None, 10.0):
+        out, grad = run_loss(logp, old, adv, mask, dual_clip_c=c)
+        assert torch.isfinite(out.loss_sum) and torch.isfinite(grad).all()
+        assert torch.isfinite(out.stats["ratio_max"]) and torch.isfinite(out.stats["approx_kl_sum"])
+        want, _ = ref_token(delta, 0.0, sign, 0.2, 0.28, c)
+        assert float(out.loss_sum) / 6 == pytest.approx(want, rel=1e-4)
+
+
+def test_bf16_inputs_computed_in_float32():
+    logp, old_logp, adv, mask = random_batch()
+    lp16 = logp.bfloat16().requires_grad_(True)
+    out = policy_loss(lp16, old_logp.bfloat16(), adv.bfloat16(), mask)
+    assert out.loss_sum.dtype == torch.float32
+    (out.loss_sum / out.normalizer).backward()
+    assert lp16.grad.dtype == torch.bfloat16
+    # the reference on the bf16-rounded inputs: only input rounding differs
+    total, n, ref_grad = ref_policy_loss(
+        lp16.detach().double().tolist(),
+        old_logp.bfloat16().double().tolist(),
+        adv.bfloat16().double().tolist(),
+        mask.tolist(),
+        0.2,
+        0.28,
+    )
+    assert float(out.loss_sum) == pytest.approx(total, rel=1e-4, abs=1e-5)
+    torch.testing.assert_close(lp16.grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-2, atol=1e-3)
+
+
+def test_truncated_is_weights():
+    old_logp = -torch.rand(4, 6) * 3
+    rollout_logp = old_logp + torch.randn(4, 6)
+    w = truncated_is_weight(old_logp, rollout_logp, cap=2.0)
+    for i in range(4):
+        for j in range(6):
+            want = min(math.exp(float(old_logp[i, j]) - float(rollout_logp[i, j])), 2.0)
+            assert float(w[i, j]) == pytest.approx(want, rel=1e-5)
+    logp, _, adv, mask = random_batch(b=4, t=6)
+    out, grad = run_loss(logp, old_logp.double(), adv, mask, is_weight=w)
+    total, n, ref_grad = ref_policy_loss(
+        logp.tolist(), old_logp.double().tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, w=w.double().tolist()
+    )
+    assert float(out.loss_sum) == pytest.approx(total, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weight(old_logp, rollout_logp, cap=0.0)
+
+
+def test_token_mean_is_global_over_micro_batches():
+    """Summing loss_sum and normalizer over micro-batches equals the one-batch loss, gradients too."""
+    logp, old_logp, adv, mask = random_batch(b=8, t=30)
+    mask[3] = False  # a fully masked response changes the per-micro-batch counts
+    whole, whole_grad = run_loss(logp, old_logp, adv, mask, dual_clip_c=3.0)
+    lp = logp.clone().float().requires_grad_(True)
+    parts = [
+        policy_loss(lp[s], old_logp[s].float(), adv[s].float(), mask[s], dual_clip_c=3.0)
+        for s in (slice(0, 1), slice(1, 5), slice(5, 8))
+    ]
+    global_tokens = sum(p.normalizer for p in parts)
+    sum(p.loss_sum / global_tokens for p in parts).backward()
+    torch.testing.assert_close(lp.grad, whole_grad, rtol=1e-6, atol=1e-8)
+    merged = reduce_stats([p.stats for p in parts])
+    for k, v in whole.stats.items():
+        assert float(merged[k]) == pytest.approx(float(v), rel=1e-6), k
+
+
+def test_token_mean_weighs_long_responses_more_than_seq_mean():
+    """The paper's point: per-sample averaging gives a short response's tokens more weight."""
+    logp = torch.full((2, 9), -1.0)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, :1] = True  # short: 1 token
+    mask[1, :9] = True  # long: 9 tokens
+    adv = torch.tensor([1.0, 1.0])
+    _, g_tok = run_loss(logp, logp, adv, mask, loss_agg_mode="token-mean")
+    _, g_seq = run_loss(logp, logp, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    # ratio 1, A = 1: d(-r)/dlogp = -1 per token, then the aggregation's weights
+    assert float(g_tok[0, 0]) == pytest.approx(-1 / 10) and float(g_tok[1, 0]) == pytest.approx(-1 / 10)
+    assert float(g_seq[0, 0]) == pytest.approx(-1 / 2) and float(g_seq[1, 0]) == pytest.approx(-1 / 18)
+    long_share_tok = float(g_tok[1].sum() / g_tok.sum())
+    long_share_seq = float(g_seq[1].sum() / g_seq.sum())
+    assert long_share_tok == pytest.approx(0.9) and long_share_seq == pytest.approx(0.5)
+
+
+def test_policy_loss_bad_input():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        policy_loss(x, x, torch.zeros(2), x.bool(), loss_agg_mode="sum")
+    with pytest.raises(ValueError, match=r"must all be the same \[B, T\]"):
+        policy_loss(x, torch.zeros(2, 4), torch.zeros(2), x.bool())
