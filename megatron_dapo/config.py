@@ -26,11 +26,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_dapo.algorithm.policy_loss import LOSS_AGG_MODES
+from megatron_dapo.data.datasets import BAD_ROW_POLICIES
+from megatron_dapo.data.datasets import FORMATS as DATASET_FORMATS
+from megatron_dapo.reward.verifiers import VERIFIER_NAMES
 
+LOSS_IMPLS = ("auto", "reference", "fused")
 SAMPLER_MODES = ("fill", "dynamic_bs")
-DATASET_FORMATS = ("auto", "dapo", "gsm8k")
-BAD_ROW_POLICIES = ("error", "skip")
-VERIFIERS = ("auto", "dapo", "math_verify")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,10 @@ class AlgorithmConfig:
     loss_agg_mode: str = "token-mean"
     """'token-mean' (DAPO: every valid token of the mini-batch weighs the same) or
     'seq-mean-token-mean' (GRPO: mean over tokens per response, then over responses)."""
+    loss_impl: str = "auto"
+    """'reference' (PyTorch, algorithm/policy_loss.py), 'fused' (the Triton kernel in
+    megatron_dapo.kernels: one read of the inputs), or 'auto' (fused on CUDA tensors, the
+    reference on CPU unless TRITON_INTERPRET=1)."""
     adv_eps: float = 1e-6
     """Added to the group's standard deviation: A = (R - mean) / (std + adv_eps)."""
     log_ratio_clamp: float = 20.0
@@ -202,6 +207,7 @@ class Config:
         _check(
             a.loss_agg_mode in LOSS_AGG_MODES, "algorithm.loss_agg_mode", a.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
         )
+        _check(a.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", a.loss_impl, f"one of {LOSS_IMPLS}")
         _check(a.adv_eps > 0, "algorithm.adv_eps", a.adv_eps, "a value > 0")
         _check(a.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", a.log_ratio_clamp, "a value > 0")
         _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, "an integer >= 1")
@@ -235,10 +241,10 @@ class Config:
         _check(s.max_gen_batches >= 0, "sampler.max_gen_batches", s.max_gen_batches, "an integer >= 0 (0 = no cap)")
         _check(s.mode in SAMPLER_MODES, "sampler.mode", s.mode, f"one of {SAMPLER_MODES}")
         _check(
-            self.reward.verifier in VERIFIERS or ":" in self.reward.verifier,
+            self.reward.verifier in VERIFIER_NAMES or ":" in self.reward.verifier,
             "reward.verifier",
             self.reward.verifier,
-            f"one of {VERIFIERS} or a user function 'package.module:function'",
+            f"one of {VERIFIER_NAMES} or a user function 'package.module:function'",
         )
         _check(self.reward.num_workers >= 1, "reward.num_workers", self.reward.num_workers, "an integer >= 1")
         _check(self.reward.timeout_s > 0, "reward.timeout_s", self.reward.timeout_s, "a value > 0")

@@ -1,0 +1,26 @@
+"""Rule-based rewards: answer verifiers and the process pool that runs them under time and memory limits."""
+
+from megatron_dapo.reward.pool import RewardBatch, RewardPool
+from megatron_dapo.reward.verifiers import (
+    VERIFIER_NAMES,
+    VerifyResult,
+    dapo_verify,
+    extract_dapo_answer,
+    gsm8k_answer,
+    math_verify_verify,
+    normalize_answer,
+    select_verifier,
+)
+
+__all__ = [
+    "VERIFIER_NAMES",
+    "RewardBatch",
+    "RewardPool",
+    "VerifyResult",
+    "dapo_verify",
+    "extract_dapo_answer",
+    "gsm8k_answer",
+    "math_verify_verify",
+    "normalize_answer",
+    "select_verifier",
+]

@@ -1,0 +1,527 @@
+"""Score responses in isolated worker processes with a hard per-response time limit.
+
+    with RewardPool.from_config(cfg.reward) as pool:
+        batch = pool.score(responses, ground_truths, data_sources)   # RewardBatch, input order
+
+Why processes: math-verify times out with SIGALRM (main thread only), sympy can hang in
+C code that never looks at signals, and a pathological answer can allocate without bound.
+So each worker (multiprocessing 'spawn') runs verifiers under RLIMIT_AS and a SIGALRM soft
+limit, and the parent SIGKILLs a worker whose current response runs past ``timeout_s`` plus
+a grace period, records that response as 'timeout', starts a replacement and re-sends the
+worker's unscored responses. Workers get responses in chunks (low IPC cost) and report
+every result as it finishes, so the parent always knows which response is running and
+since when. Per-response problems never raise: they score -1 with status 'timeout' or
+'error' and are logged on the ``megatron_dapo.reward`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import resource
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dapo.reward.verifiers import VerifyResult, select_verifier
+
+logger = logging.getLogger("megatron_dapo.reward")
+
+_WORKER_NAME_PREFIX = "megatron-dapo-reward-"
+_GRACE_S = 0.5
+"""Extra time the parent allows past timeout_s, so the worker's own soft limit fires first."""
+_MAX_CHUNK = 64
+_STARTUP_TIMEOUT_S = 120.0
+_MAX_START_FAILURES = 3
+_EXCERPT_CHARS = 80
+_MAX_DETAIL_CHARS = 300
+
+STATUSES = ("ok", "timeout", "error")
+
+
+@dataclass
+class RewardBatch:
+    """Scores of one score() call; every list has one entry per response, in input order."""
+
+    scores: list[float]
+    """+1.0 correct, -1.0 otherwise (also for 'timeout' and 'error')."""
+    acc: list[bool]
+    """Raw correctness."""
+    preds: list[str | None]
+    """The extracted answers (None when none was found or scoring failed)."""
+    status: list[str]
+    """'ok' | 'timeout' | 'error'."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """reward/timeouts, reward/errors (counts in this call), reward/seconds, reward/responses_per_s,
+    reward/accuracy, reward/score_mean, reward/worker_restarts."""
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class _SoftTimeout(BaseException):
+    """Raised by the worker's SIGALRM handler; BaseException so verifiers' `except Exception` miss it."""
+
+
+def _raise_soft_timeout(signum: int, frame: Any) -> None:
+    raise _SoftTimeout()
+
+
+def _describe(e: BaseException) -> str:
+    """'TypeName: message', bounded; str() of an exotic exception may itself fail."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001
+        text = "<unprintable>"
+    return f"{type(e).__name__}: {text}"[:_MAX_DETAIL_CHARS] if text else type(e).__name__
+
+
+def _address_space_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _prepare_worker(configured: str, memory_mb: int) -> None:
+    """Imports and warms up the verifiers, then caps the address space. Raises on failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we bound time here
+    if configured in ("auto", "math_verify"):
+        select_verifier("", "math_verify", math_verify_timeout_s=None)("\\boxed{1}", "1")  # import + first-call cost
+    elif configured != "dapo":
+        select_verifier("", configured)  # import the user's module now: a failure is a start failure
+    limit = memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    used = _address_space_mb()
+    if used >= limit / 2**20:
+        raise MemoryError(
+            f"reward.worker_memory_mb={memory_mb} is below the worker's address space at start ({used:.0f} MiB)"
+        )
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    signal.signal(signal.SIGALRM, _raise_soft_timeout)
+
+
+def _score_one(
+    verifiers: dict[str, Any], configured: str, text: str, gold: str, source: str, timeout_s: float
+) -> tuple:
+    """(score, acc, pred, status, detail) for one response; never raises."""
+    try:
+        try:
+            verify = verifiers.get(source)
+            if verify is None:
+                verify = verifiers[source] = select_verifier(source, configured, math_verify_timeout_s=None)
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            result: VerifyResult = verify(text, gold)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        pred = result.pred if isinstance(result.pred, str) or result.pred is None else str(result.pred)
+        return float(result.score), bool(result.acc), pred, "ok", ""
+    except _SoftTimeout:
+        return -1.0, False, None, "timeout", f"over {timeout_s:g} s (soft limit)"
+    except BaseException as e:  # noqa: BLE001 - MemoryError, SystemExit, anything a verifier raises
+        return -1.0, False, None, "error", _describe(e)
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection, configured: str, timeout_s: float, memory_mb: int
+) -> None:
+    """A scoring process: ('chunk', [(idx, text, gold, source), ...]) in, one ('result', idx, ...) per item out."""
+    try:
+        _prepare_worker(configured, memory_mb)
+        conn.send(("ready", os.getpid()))
+    except BaseException as e:  # noqa: BLE001
+        try:
+            conn.send(("fatal", _describe(e)))
+        finally:
+            os._exit(3)
+    verifiers: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent closed its end or died
+            break
+        if message[0] != "chunk":
+            break
+        for idx, text, gold, source in message[1]:
+            _send_result(conn, idx, _score_one(verifiers, configured, text, gold, source, timeout_s))
+    os._exit(0)
+
+
+def _send_result(conn: multiprocessing.connection.Connection, idx: int, result: tuple) -> None:
+    """Report one result; one that cannot be pickled is reported as an error instead."""
+    try:
+        conn.send(("result", idx, *result))
+    except (EOFError, OSError):
+        os._exit(0)  # the parent is gone
+    except BaseException as e:  # noqa: BLE001 - pickling fails before anything is written, so the pipe is intact
+        conn.send(("result", idx, -1.0, False, None, "error", f"cannot send the result: {_describe(e)}"))
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _install_spawn_hook() -> None:
+    """Stop spawn from re-running the parent's __main__ in our workers.
+
+    By default a spawn child re-imports the launching script, which for the trainer means
+    importing torch (seconds and GBs of address space) in every scoring process.
+    """
+    original = multiprocessing.spawn.get_preparation_data
+    if getattr(original, "_megatron_dapo_reward", False):
+        return
+
+    def get_preparation_data(name: str) -> dict:
+        data = original(name)
+        if name.startswith(_WORKER_NAME_PREFIX):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data._megatron_dapo_reward = True  # type: ignore[attr-defined]
+    multiprocessing.spawn.get_preparation_data = get_preparation_data
+
+
+class _Worker:
+    """The parent's handle on one scoring process and the items it holds."""
+
+    def __init__(self, slot: int, args: tuple) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child_conn, *args), name=f"{_WORKER_NAME_PREFIX}{slot}", daemon=True
+        )
+        self.proc.start()
+        child_conn.close()
+        self.ready = False
+        self.fatal = ""
+        self.started_at = time.monotonic()
+        self.inflight: deque[int] = deque()
+        """Indices sent and not yet reported, in the order the worker scores them."""
+        self.item_since = 0.0
+        """When the parent last heard from the worker: the running item started no earlier."""
+
+    def stop(self, kill: bool) -> None:
+        """Close the pipe (the worker exits at EOF); SIGKILL it when kill or when it lingers."""
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if kill:
+            self.proc.kill()
+        self.proc.join(timeout=0.5 if not kill else 5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5.0)
+        try:
+            self.proc.close()
+        except ValueError:
+            pass
+
+
+class _Outcome:
+    """Per-index results of one score() call."""
+
+    def __init__(self, n: int) -> None:
+        self.scores = [-1.0] * n
+        self.acc = [False] * n
+        self.preds: list[str | None] = [None] * n
+        self.status = [""] * n
+        self.pending = n
+        """Indices without a result yet."""
+
+    def set(self, idx: int, score: float, acc: bool, pred: str | None, status: str) -> None:
+        if self.status[idx] == "":
+            self.pending -= 1
+        self.scores[idx], self.acc[idx], self.preds[idx], self.status[idx] = score, acc, pred, status
+
+
+def _excerpt(response: Any) -> str:
+    # repr() escapes lone surrogates and control characters, so logging never fails on them.
+    return (
+        f"{response[:_EXCERPT_CHARS]!r} ({len(response)} chars)"
+        if isinstance(response, (str, bytes))
+        else repr(response)[:_EXCERPT_CHARS]
+    )
+
+
+class RewardPool:
+    """A pool of scoring processes; see the module docstring.
+
+    num_workers: scoring processes; timeout_s: wall-clock limit per response;
+    worker_memory_mb: RLIMIT_AS of each worker; verifier: reward.verifier ('auto', 'dapo',
+    'math_verify' or 'package.module:function'), checked here (ValueError when invalid).
+    Workers start in the background at construction.
+    """
+
+    def __init__(
+        self, num_workers: int = 2, timeout_s: float = 5.0, worker_memory_mb: int = 4096, verifier: str = "auto"
+    ) -> None:
+        self._workers: list[_Worker | None] = []
+        if num_workers < 1:
+            raise ValueError(f"config field reward.num_workers={num_workers!r}: expected an integer >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"config field reward.timeout_s={timeout_s!r}: expected a value > 0")
+        select_verifier("", verifier)  # raises ValueError naming reward.verifier; imports a user module here too
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.worker_memory_mb = worker_memory_mb
+        self.verifier = verifier
+        self._start_failures = 0
+        self._last_failure = ""
+        self._restarts = 0
+        self._closed = False
+        _install_spawn_hook()
+        self._workers = [self._spawn(slot) for slot in range(num_workers)]
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RewardPool:
+        """From a megatron_dapo.config.RewardConfig (or anything with the same attributes)."""
+        return cls(
+            num_workers=cfg.num_workers,
+            timeout_s=cfg.timeout_s,
+            worker_memory_mb=cfg.worker_memory_mb,
+            verifier=cfg.verifier,
+        )
+
+    # ----------------------------------------------------------------------- public API
+
+    def score(self, responses: list[str | bytes], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
+        """Score responses[i] against ground_truths[i] with the verifier for data_sources[i].
+
+        bytes are decoded as strict UTF-8 (invalid -> 'error'). Returns a RewardBatch in input
+        order. Raises ValueError when the lists differ in length, RuntimeError when workers
+        repeatedly fail to start; never for a problem with one response.
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool.score() called after close()")
+        n = len(responses)
+        if len(ground_truths) != n or len(data_sources) != n:
+            raise ValueError(
+                f"RewardPool.score: responses ({n}), ground_truths ({len(ground_truths)}) and data_sources "
+                f"({len(data_sources)}) must have the same length"
+            )
+        t0 = time.monotonic()
+        restarts0 = self._restarts
+        out = _Outcome(n)
+        tasks: dict[int, tuple[str, str, str]] = {}
+        for i, (response, gold, source) in enumerate(zip(responses, ground_truths, data_sources)):
+            text, problem = _as_text(response, gold, source)
+            if problem:
+                self._record(out, i, response, -1.0, False, None, "error", problem)
+            else:
+                tasks[i] = (text, gold, source)
+        self._start_failures = 0
+        self._replace_missing_workers()
+        try:
+            self._run(tasks, out)
+        except BaseException:
+            self._reset_busy_workers()  # their results belong to this aborted call
+            raise
+        return self._batch(out, time.monotonic() - t0, self._restarts - restarts0)
+
+    def close(self) -> None:
+        """Stop every worker. Idempotent."""
+        self._closed = True
+        workers, self._workers = self._workers, []
+        for w in workers:
+            if w is not None:
+                w.stop(kill=bool(w.inflight))
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser (e.g. at interpreter exit)
+            pass
+
+    # ----------------------------------------------------------------------- scheduling
+
+    def _spawn(self, slot: int) -> _Worker:
+        return _Worker(slot, (self.verifier, self.timeout_s, self.worker_memory_mb))
+
+    def _run(self, tasks: dict[int, tuple[str, str, str]], out: _Outcome) -> None:
+        """Dispatch tasks to workers and collect results until every task has one."""
+        todo: deque[int] = deque(tasks)
+        while out.pending > 0:
+            self._dispatch(todo, tasks)
+            ready = multiprocessing.connection.wait(self._waitables(), timeout=self._wait_timeout())
+            for slot, w in enumerate(self._workers):
+                if w is None:
+                    continue
+                if w.conn in ready or w.proc.sentinel in ready:
+                    self._drain(slot, w, out, todo, tasks)
+            self._check_deadlines(out, todo, tasks)
+
+    def _waitables(self) -> list:
+        objs: list = []
+        for w in self._workers:
+            if w is not None:
+                objs += [w.conn, w.proc.sentinel]
+        return objs
+
+    def _dispatch(self, todo: deque[int], tasks: dict[int, tuple[str, str, str]]) -> None:
+        """Give each ready, idle worker a chunk: large enough to amortise IPC, small enough to balance."""
+        for w in self._workers:
+            if not todo:
+                return
+            if w is None or not w.ready or w.inflight:
+                continue
+            size = max(1, min(_MAX_CHUNK, math.ceil(len(todo) / (2 * self.num_workers))))
+            chunk = [todo.popleft() for _ in range(min(size, len(todo)))]
+            w.inflight.extend(chunk)
+            w.item_since = time.monotonic()
+            try:
+                w.conn.send(("chunk", [(i, *tasks[i]) for i in chunk]))
+            except (OSError, ValueError):
+                # The worker died before it got the chunk: no item is to blame; its sentinel reports the death.
+                w.inflight.clear()
+                todo.extendleft(reversed(chunk))
+
+    def _wait_timeout(self) -> float:
+        """Seconds until the earliest per-response or start-up deadline."""
+        now = time.monotonic()
+        deadline = now + 1.0
+        for w in self._workers:
+            if w is None:
+                continue
+            if w.inflight:
+                deadline = min(deadline, w.item_since + self.timeout_s + _GRACE_S)
+            elif not w.ready:
+                deadline = min(deadline, w.started_at + _STARTUP_TIMEOUT_S)
+        return max(0.0, deadline - now) + 0.001
+
+    def _drain(self, slot: int, w: _Worker, out: _Outcome, todo: deque[int], tasks: dict) -> None:
+        """Read every message the worker has sent; handle its death if it has exited."""
+        try:
+            while w.conn.poll():
+                self._handle(w, w.conn.recv(), out, tasks)
+        except (EOFError, OSError):
+            pass  # a closed pipe: the process is gone or going
+        if not w.proc.is_alive():
+            code = w.proc.exitcode
+            self._lose_worker(slot, w, out, todo, tasks, "error", f"worker exited with code {code} while scoring it")
+
+    def _handle(self, w: _Worker, message: tuple, out: _Outcome, tasks: dict) -> None:
+        kind = message[0]
+        if kind == "result":
+            _, idx, score, acc, pred, status, detail = message
+            if w.inflight and w.inflight[0] == idx:
+                w.inflight.popleft()
+            w.item_since = time.monotonic()
+            self._record(out, idx, tasks[idx][0], score, acc, pred, status, detail)
+        elif kind == "ready":
+            w.ready = True
+            self._start_failures = 0
+        elif kind == "fatal":
+            w.fatal = message[1]
+
+    def _check_deadlines(self, out: _Outcome, todo: deque[int], tasks: dict) -> None:
+        """Kill workers whose current response or start-up is past its limit."""
+        now = time.monotonic()
+        for slot, w in enumerate(self._workers):
+            if w is None:
+                continue
+            if w.inflight and now - w.item_since > self.timeout_s + _GRACE_S:
+                self._drain(slot, w, out, todo, tasks)  # its result may have just arrived
+                w = self._workers[slot]
+                if w is not None and w.inflight and time.monotonic() - w.item_since > self.timeout_s + _GRACE_S:
+                    self._lose_worker(
+                        slot, w, out, todo, tasks, "timeout", f"over {self.timeout_s:g} s (worker killed)"
+                    )
+            elif not w.ready and now - w.started_at > _STARTUP_TIMEOUT_S:
+                w.fatal = w.fatal or f"not ready after {_STARTUP_TIMEOUT_S:g} s"
+                self._lose_worker(slot, w, out, todo, tasks, "error", "")
+
+    def _lose_worker(
+        self, slot: int, w: _Worker, out: _Outcome, todo: deque[int], tasks: dict, status: str, detail: str
+    ) -> None:
+        """Kill and replace a worker: its running item gets `status`, its unscored items go back to the queue."""
+        exitcode = w.proc.exitcode
+        w.stop(kill=True)
+        self._workers[slot] = None
+        if w.inflight:
+            idx = w.inflight.popleft()
+            self._record(out, idx, tasks[idx][0], -1.0, False, None, status, detail)
+            todo.extendleft(reversed(w.inflight))
+        if not w.ready:
+            self._start_failures += 1
+            self._last_failure = w.fatal or f"exit code {exitcode}"
+            if self._start_failures >= _MAX_START_FAILURES:
+                raise RuntimeError(
+                    f"reward workers failed to start {self._start_failures} times in a row (last: {self._last_failure}); "
+                    f"check reward.verifier={self.verifier!r} and reward.worker_memory_mb={self.worker_memory_mb}"
+                )
+        self._restarts += 1
+        self._workers[slot] = self._spawn(slot)
+
+    def _replace_missing_workers(self) -> None:
+        """Start workers for empty slots and for workers that died while idle (between calls)."""
+        for slot, w in enumerate(self._workers):
+            if w is not None and not w.proc.is_alive():
+                w.stop(kill=True)
+                w = self._workers[slot] = None
+            if w is None:
+                self._restarts += 1
+                self._workers[slot] = self._spawn(slot)
+
+    def _reset_busy_workers(self) -> None:
+        for slot, w in enumerate(self._workers):
+            if w is not None and (w.inflight or not w.proc.is_alive()):
+                w.stop(kill=True)
+                self._workers[slot] = None if self._closed else self._spawn(slot)
+
+    # ----------------------------------------------------------------------- results
+
+    def _record(
+        self,
+        out: _Outcome,
+        idx: int,
+        response: Any,
+        score: float,
+        acc: bool,
+        pred: str | None,
+        status: str,
+        detail: str,
+    ) -> None:
+        out.set(idx, score, acc, pred, status)
+        if status != "ok":
+            logger.warning("reward: response %d %s: %s; response %s", idx, status, detail, _excerpt(response))
+
+    def _batch(self, out: _Outcome, seconds: float, restarts: int) -> RewardBatch:
+        n = len(out.scores)
+        metrics = {
+            "reward/timeouts": float(out.status.count("timeout")),
+            "reward/errors": float(out.status.count("error")),
+            "reward/seconds": seconds,
+            "reward/responses_per_s": n / seconds if seconds > 0 else 0.0,
+            "reward/accuracy": sum(out.acc) / n if n else 0.0,
+            "reward/score_mean": sum(out.scores) / n if n else 0.0,
+            "reward/worker_restarts": float(restarts),
+        }
+        return RewardBatch(scores=out.scores, acc=out.acc, preds=out.preds, status=out.status, metrics=metrics)
+
+
+def _as_text(response: Any, gold: Any, source: Any) -> tuple[str, str]:
+    """(text, problem): the response as str, or a description of why it cannot be scored."""
+    if not isinstance(gold, str) or not isinstance(source, str):
+        return "", f"ground truth and data source must be str, got {type(gold).__name__} and {type(source).__name__}"
+    if isinstance(response, bytes):
+        try:
+            return response.decode("utf-8", errors="strict"), ""
+        except UnicodeDecodeError as e:
+            return "", f"invalid UTF-8 ({e.reason} at byte {e.start})"
+    if isinstance(response, str):
+        return response, ""
+    return "", f"response must be str or bytes, got {type(response).__name__}"

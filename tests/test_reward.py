@@ -1,0 +1,389 @@
+"""Reward verifiers (DAPO 'Answer:' and math-verify) and the process pool's limits and isolation."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# The pool's spawned workers inherit sys.path, so they import the user verifiers in tests/reward_helpers.py.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from megatron_dapo.config import RewardConfig  # noqa: E402
+from megatron_dapo.reward import (  # noqa: E402
+    RewardBatch,
+    RewardPool,
+    VerifyResult,
+    dapo_verify,
+    math_verify_verify,
+    select_verifier,
+)
+
+SLACK_S = 3.0
+"""Allowed on top of the time limit for one pathological response (kill, IPC, a busy machine)."""
+
+
+# --------------------------------------------------------------------------- dapo_verify
+
+
+def test_dapo_correct_and_wrong():
+    assert dapo_verify("Let me think... 6 * 7 = 42.\nAnswer: 42", "42") == VerifyResult(1.0, True, "42")
+    assert dapo_verify("Let me think... 6 * 7 = 41.\nAnswer: 41", "42") == VerifyResult(-1.0, False, "41")
+
+
+def test_dapo_without_answer_line_is_wrong_with_no_pred():
+    assert dapo_verify("The result is \\boxed{42}.", "42") == VerifyResult(-1.0, False, None)
+    assert dapo_verify("", "42") == VerifyResult(-1.0, False, None)
+
+
+def test_dapo_last_answer_wins_and_is_case_insensitive():
+    assert dapo_verify("Answer: 41\nwait, I made a mistake.\nANSWER : 42", "42").acc
+    assert not dapo_verify("answer: 42\nno...\nAnswer: 41", "42").acc
+    assert dapo_verify("Final answer: 41. Actually, the answer: 42", "42").pred == "42"
+    assert dapo_verify("Answer:\n\n  42", "42").pred == "42"  # the answer on the next line
+
+
+def test_dapo_answer_far_from_the_end():
+    many_colons = "Answer: 42\n" + "".join(f"note {i}: ok\n" for i in range(500))
+    assert dapo_verify(many_colons, "42").pred == "42"
+    assert dapo_verify("Answer" + " " * 500 + ":  42\n" + "x: y\n" * 3, "42").pred == "42"
+    assert dapo_verify("x: 1\n" * 100 + "no final line", "42").pred is None
+
+
+@pytest.mark.parametrize(
+    "answer_line, gold",
+    [
+        ("Answer: $42$", "42"),
+        ("Answer: \\boxed{42}", "42"),
+        ("Answer: $\\boxed{42}$.", "42"),
+        ("**Answer:** 42", "42"),
+        ("Answer: 1,000", "1000"),
+        ("Answer: 1,234,567", "1234567"),
+        ("Answer: 90 degrees", "90"),
+        ("Answer: 90^\\circ", "90"),
+        ("Answer: 12 \\text{ cm}^2", "12"),
+        ("Answer: 15 dollars", "15"),
+        ("Answer: \\$15", "15"),
+        ("Answer: 25\\%", "25"),
+        ("Answer: x = 7", "7"),
+        ("Answer: \\dfrac{1}{2}", "\\frac{1}{2}"),
+        ("Answer: \\tfrac12", "\\frac{1}{2}"),
+        ("Answer: \\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt3}{2}"),
+        ("Answer: \\text{(B)}", "(B)"),
+        ("Answer: 2 \\times 3", "2\\times3"),
+        ("Answer: \\left( 1, 2 \\right)", "(1,2)"),
+        ("Answer: −5", "-5"),
+        ("Answer: 42.", "42"),
+    ],
+)
+def test_dapo_normalisation(answer_line, gold):
+    assert dapo_verify(f"Some reasoning.\n{answer_line}", gold).acc
+
+
+@pytest.mark.parametrize("pred, gold", [("5.0", "5"), ("5", "5.00"), ("0.50", ".5"), ("+3", "3"), ("1e3", "1000")])
+def test_dapo_numeric_equality(pred, gold):
+    assert dapo_verify(f"Answer: {pred}", gold).acc
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        ("12345678901234567891", "12345678901234567890"),  # equal as floats, not as numbers
+        ("1,2,3", "123"),  # a list, not a thousands separator
+        ("5cm", "50"),
+        ("", "0"),
+        ("\\frac{1}{2}", "0.5"),  # DAPO compares strings; math-verify is the symbolic one
+    ],
+)
+def test_dapo_near_misses_are_wrong(pred, gold):
+    assert not dapo_verify(f"Answer: {pred}", gold).acc
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "".join(random.Random(0).choice("ab{}\\$ :=\n0123456789,.answerAnswer") for _ in range(200_000)),
+        "answer " * 40_000,
+        "Answer: " + "1" * 200_000 + "x",
+        "Answer: " + "1," * 100_000,
+        "Answer: " + "\\boxed{" * 40_000,
+        "Answer: " + "\\text{" * 30_000 + "}" * 30_000,
+        "Answer: " + "{" * 100_000 + "}" * 100_000,
+        "Answer:" + " " * 200_000,
+    ],
+)
+def test_dapo_is_linear_on_huge_inputs(response):
+    t = time.perf_counter()
+    result = dapo_verify(response, "5")
+    assert time.perf_counter() - t < 0.5  # milliseconds in practice; quadratic would take minutes
+    assert result.score == -1.0
+
+
+# --------------------------------------------------------------------------- math_verify_verify
+
+
+def test_math_verify_boxed_fraction_equals_decimal_gold():
+    # The one in-process call with math-verify's own SIGALRM limit (the others pass None: an alarm here
+    # would cancel pytest-timeout's in signal mode).
+    result = math_verify_verify("So the probability is \\boxed{\\frac{1}{2}}.", "0.5", timeout_s=5)
+    assert result.acc and result.score == 1.0 and result.pred == "\\frac{1}{2}"
+
+
+def test_math_verify_gsm8k_gold():
+    gold = "She buys 1,000 + 234 = 1,234 apples.\n#### 1,234"
+    assert math_verify_verify("1000 + 234 = 1234\n#### 1234", gold, timeout_s=None) == VerifyResult(1.0, True, "1234")
+    assert math_verify_verify("1000 + 234 = 1234\n#### 1,234", gold, timeout_s=None).acc
+    assert math_verify_verify("So she has \\boxed{1234} apples.", gold, timeout_s=None).acc
+    assert not math_verify_verify("#### 1235", gold, timeout_s=None).acc
+    assert not math_verify_verify("So she has \\boxed{1243} apples.", gold, timeout_s=None).acc
+
+
+def test_math_verify_wrong_and_missing_answers():
+    wrong = math_verify_verify("\\boxed{\\frac{1}{3}}", "0.5", timeout_s=None)
+    assert wrong == VerifyResult(-1.0, False, "\\frac{1}{3}")
+    assert math_verify_verify("I do not know.", "0.5", timeout_s=None) == VerifyResult(-1.0, False, None)
+
+
+def test_math_verify_latex_golds_and_no_timeout():
+    assert math_verify_verify("$\\sqrt{2}/2$", "\\frac{\\sqrt{2}}{2}", timeout_s=None).acc
+    assert math_verify_verify("the point is \\boxed{(1,2)}", "(1, 2)", timeout_s=None).acc
+    assert not math_verify_verify("the point is \\boxed{(2,1)}", "(1, 2)", timeout_s=None).acc
+
+
+# --------------------------------------------------------------------------- select_verifier
+
+
+def test_select_verifier_builtin_names():
+    assert select_verifier("math_dapo", "auto") is dapo_verify
+    assert select_verifier("anything", "dapo") is dapo_verify
+    # auto on a non-DAPO source is math-verify: a boxed answer counts, an 'Answer:' line alone need not
+    gsm8k = select_verifier("openai/gsm8k", "auto")
+    assert gsm8k("\\boxed{0.5}", "\\frac{1}{2}").acc
+    assert select_verifier("math_dapo", "math_verify")("\\boxed{0.5}", "\\frac{1}{2}").acc
+
+
+def test_select_verifier_user_functions():
+    assert select_verifier("x", "reward_helpers:exact")("7", "7") == VerifyResult(1.0, True, None)
+    assert select_verifier("x", "reward_helpers:exact")("7", "8") == VerifyResult(-1.0, False, None)
+    assert select_verifier("x", "reward_helpers:half_credit")("7", "8") == VerifyResult(0.5, True, None)
+    assert select_verifier("x", "reward_helpers:as_result")("abc", "8") == VerifyResult(1.0, True, "3")
+
+
+@pytest.mark.parametrize(
+    "configured, mentions",
+    [
+        ("bogus", "unknown verifier name"),
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("reward_helpers:no_such_function", "has no attribute 'no_such_function'"),
+        ("reward_helpers:", "needs both a module and a function name"),
+    ],
+)
+def test_select_verifier_bad_config(configured, mentions):
+    with pytest.raises(ValueError, match="reward.verifier") as info:
+        select_verifier("x", configured)
+    assert mentions in str(info.value) and "package.module:function" in str(info.value)
+
+
+# --------------------------------------------------------------------------- RewardPool
+
+
+@pytest.fixture(scope="module")
+def auto_pool():
+    with RewardPool(num_workers=2, timeout_s=2.0, verifier="auto") as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def naughty_pool():
+    with RewardPool(num_workers=2, timeout_s=1.0, worker_memory_mb=1024, verifier="reward_helpers:misbehave") as pool:
+        yield pool
+
+
+def test_pool_preserves_order_with_mixed_verifiers(auto_pool):
+    n = 240
+    responses, golds, sources = [], [], []
+    for i in range(n):
+        answer = i + 1 if i % 3 == 0 else i  # every third response is wrong
+        if i % 2 == 0:
+            responses.append(f"Reasoning about item {i}...\nAnswer: {answer}")
+            golds.append(str(i))
+            sources.append("math_dapo")
+        else:
+            responses.append(f"Reasoning about item {i}... so it is \\boxed{{{answer}}}.")
+            golds.append(f"Work.\n#### {i}")
+            sources.append("openai/gsm8k")
+    batch = auto_pool.score(responses, golds, sources)
+    assert isinstance(batch, RewardBatch)
+    assert batch.acc == [i % 3 != 0 for i in range(n)]
+    assert batch.scores == [-1.0 if i % 3 == 0 else 1.0 for i in range(n)]
+    assert batch.preds == [str(i + 1 if i % 3 == 0 else i) for i in range(n)]
+    assert batch.status == ["ok"] * n
+    assert batch.metrics["reward/timeouts"] == 0 and batch.metrics["reward/errors"] == 0
+    assert batch.metrics["reward/responses_per_s"] > 0 and batch.metrics["reward/seconds"] > 0
+
+
+def _score_one(pool: RewardPool, response, gold: str, source: str) -> tuple[RewardBatch, float]:
+    t = time.monotonic()
+    batch = pool.score([response], [gold], [source])
+    return batch, time.monotonic() - t
+
+
+def test_pool_power_tower_left_associative_is_just_wrong(auto_pool):
+    # math-verify reads 9^9^9^9^9 as (((9^9)^9)^9)^9 = 9^6561: cheap, so simply incorrect
+    batch, elapsed = _score_one(auto_pool, "\\boxed{9^9^9^9^9}", "81", "openai/gsm8k")
+    assert batch.scores == [-1.0] and batch.acc == [False]
+    assert elapsed < auto_pool.timeout_s + SLACK_S
+
+
+def test_pool_power_tower_right_associative_times_out(auto_pool):
+    batch, elapsed = _score_one(auto_pool, "\\boxed{9^{9^{9^{9^9}}}}", "81", "openai/gsm8k")
+    assert batch.scores == [-1.0] and batch.status == ["timeout"]
+    assert batch.metrics["reward/timeouts"] == 1
+    assert elapsed < auto_pool.timeout_s + SLACK_S
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "openai/gsm8k"])
+def test_pool_random_garbage(auto_pool, source):
+    rng = random.Random(1234)
+    garbage = "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(200_000))
+    batch, elapsed = _score_one(auto_pool, garbage, "5", source)
+    assert batch.scores == [-1.0] and batch.acc == [False]
+    assert elapsed < auto_pool.timeout_s + SLACK_S
+
+
+def test_pool_invalid_utf8_and_lone_surrogates(auto_pool, caplog):
+    responses = [b"Answer: 5", b"Answer: \xff\xfe 5", "Answer: 5 \ud800", "\\boxed{5} \udfff", 12345]
+    with caplog.at_level(logging.WARNING, logger="megatron_dapo.reward"):
+        batch = auto_pool.score(responses, ["5"] * 5, ["math_dapo", "math_dapo", "math_dapo", "gsm8k", "gsm8k"])
+    assert batch.status[:2] == ["ok", "error"] and batch.status[4] == "error"
+    assert batch.scores[:2] == [1.0, -1.0] and batch.scores[4] == -1.0
+    assert batch.status[2] in ("ok", "error") and batch.status[3] in ("ok", "error")  # scored or not, never a crash
+    assert batch.metrics["reward/errors"] == batch.status.count("error") >= 2
+    messages = [r.getMessage() for r in caplog.records if r.name == "megatron_dapo.reward"]
+    assert any("response 1 error" in m and "invalid UTF-8" in m and "\\xff\\xfe" in m for m in messages)
+
+
+def test_pool_mismatched_lengths(auto_pool):
+    with pytest.raises(ValueError, match="same length"):
+        auto_pool.score(["Answer: 1", "Answer: 2"], ["1"], ["math_dapo", "math_dapo"])
+    with pytest.raises(ValueError, match="same length"):
+        auto_pool.score(["Answer: 1"], ["1"], [])
+
+
+def test_pool_empty_call(auto_pool):
+    batch = auto_pool.score([], [], [])
+    assert batch.scores == [] and batch.status == [] and batch.metrics["reward/errors"] == 0
+
+
+def test_pool_sleeping_verifier_times_out_and_pool_recovers(naughty_pool):
+    batch, elapsed = _score_one(naughty_pool, "sleep", "x", "src")
+    assert batch.status == ["timeout"] and batch.scores == [-1.0] and batch.metrics["reward/timeouts"] == 1
+    assert elapsed < naughty_pool.timeout_s + SLACK_S
+    again = naughty_pool.score(["a", "b"], ["a", "c"], ["src", "src"])
+    assert again.scores == [1.0, -1.0] and again.status == ["ok", "ok"]
+
+
+def test_pool_kills_worker_stuck_in_c_code(naughty_pool):
+    responses = ["a", "burn", "b", "c", "d", "e"]
+    t = time.monotonic()
+    batch = naughty_pool.score(responses, ["a", "x", "b", "c", "d", "z"], ["src"] * 6)
+    assert time.monotonic() - t < naughty_pool.timeout_s + SLACK_S
+    assert batch.status == ["ok", "timeout", "ok", "ok", "ok", "ok"]
+    assert batch.scores == [1.0, -1.0, 1.0, 1.0, 1.0, -1.0]
+    assert batch.metrics["reward/timeouts"] == 1 and batch.metrics["reward/worker_restarts"] >= 1
+    assert naughty_pool.score(["a"], ["a"], ["src"]).scores == [1.0]
+
+
+def test_pool_worker_exit_is_an_error_and_rest_is_rescored():
+    with RewardPool(num_workers=1, timeout_s=5.0, verifier="reward_helpers:misbehave") as pool:
+        responses = ["a", "crash", "b", "c", "crash", "d"]
+        batch = pool.score(responses, ["a", "x", "b", "x", "x", "d"], ["src"] * 6)
+        assert batch.status == ["ok", "error", "ok", "ok", "error", "ok"]
+        assert batch.scores == [1.0, -1.0, 1.0, -1.0, -1.0, 1.0]
+        assert batch.metrics["reward/errors"] == 2 and batch.metrics["reward/worker_restarts"] == 2
+        assert pool.score(["a"], ["a"], ["src"]).status == ["ok"]
+
+
+def test_pool_exceptions_and_memory_errors_are_errors(naughty_pool):
+    batch = naughty_pool.score(["boom", "eat", "a"], ["x", "x", "a"], ["src"] * 3)
+    assert batch.status == ["error", "error", "ok"]
+    assert batch.scores == [-1.0, -1.0, 1.0]
+    assert batch.metrics["reward/errors"] == 2
+
+
+def test_pool_rejects_non_finite_user_scores():
+    with RewardPool(num_workers=1, verifier="reward_helpers:nan_score") as pool:
+        batch = pool.score(["a"], ["a"], ["src"])
+        assert batch.status == ["error"] and batch.scores == [-1.0]
+
+
+_MAIN_SCRIPT = """
+import os, sys
+with open(os.environ["REWARD_TEST_MARK"], "a") as f:  # runs again in each worker if spawn re-imports __main__
+    f.write(f"{os.getpid()}\\n")
+
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[1])
+    from megatron_dapo.reward import RewardPool
+
+    with RewardPool(num_workers=1, verifier="reward_helpers:torch_loaded") as pool:
+        print(pool.score(["a"], ["a"], ["src"]).status, pool.score(["a"], ["a"], ["src"]).acc)
+"""
+
+
+def test_pool_workers_do_not_rerun_main_script_or_import_torch(tmp_path):
+    # A trainer script imports torch at the top; spawn would re-run that import in every worker.
+    script, mark = tmp_path / "train_like.py", tmp_path / "mark.txt"
+    script.write_text(_MAIN_SCRIPT)
+    env = {**os.environ, "REWARD_TEST_MARK": str(mark)}
+    proc = subprocess.run(
+        [sys.executable, str(script), _TESTS_DIR], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['ok'] [False]"  # torch_loaded: acc False means no torch in the worker
+    assert len(mark.read_text().splitlines()) == 1
+
+
+def test_pool_workers_that_cannot_start_raise_runtime_error():
+    pool = RewardPool(num_workers=1, verifier="reward_helpers:parent_only")  # importable here, not in workers
+    try:
+        with pytest.raises(RuntimeError, match="failed to start 3 times.*reward.verifier"):
+            pool.score(["a"], ["a"], ["src"])
+    finally:
+        pool.close()
+
+
+def test_pool_bad_verifier_config():
+    with pytest.raises(ValueError, match="reward.verifier"):
+        RewardPool(verifier="nonsense")
+    with pytest.raises(ValueError, match="reward.verifier"):
+        RewardPool(verifier="no_such_module_xyz:f")
+
+
+def test_pool_from_config_and_close():
+    cfg = RewardConfig(verifier="dapo", num_workers=1, timeout_s=3.0, worker_memory_mb=2048)
+    pool = RewardPool.from_config(cfg)
+    assert (pool.num_workers, pool.timeout_s, pool.worker_memory_mb, pool.verifier) == (1, 3.0, 2048, "dapo")
+    assert pool.score(["Answer: 3"], ["3"], ["math_dapo"]).scores == [1.0]
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.score(["Answer: 3"], ["3"], ["math_dapo"])
+
+
+def test_pool_replaces_a_worker_that_died_between_calls():
+    with RewardPool(num_workers=1, verifier="reward_helpers:exact") as pool:
+        assert pool.score(["a"], ["a"], ["src"]).status == ["ok"]
+        victim = pool._workers[0].proc
+        victim.kill()  # e.g. the kernel's OOM killer, while the pool is idle
+        victim.join()
+        batch = pool.score(["a", "b"], ["a", "b"], ["src", "src"])
+        assert batch.status == ["ok", "ok"] and batch.scores == [1.0, 1.0]  # no response is blamed for it
