@@ -1,0 +1,8 @@
+"""Test-session setup that must happen before any test module imports triton or torch."""
+
+import os
+
+# Triton kernels run here only in the interpreter, and the variable must be set before the
+# module defining a kernel is imported. Set for the whole session (and the torchrun workers
+# it starts), so `algorithm.loss_impl=auto` exercises the fused kernel on CPU too.
+os.environ["TRITON_INTERPRET"] = "1"

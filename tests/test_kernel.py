@@ -1,0 +1,421 @@
+"""The fused Triton policy loss against the reference policy_loss, in Triton's CPU interpreter.
+
+Fresh random inputs every run. Padding always holds NaN/inf, which must never reach the loss
+or the gradient. Tolerances: float32 results to 1e-6 relative (sums: relative to the sum of
+the magnitudes they add up); the gradient of bf16 logp to one bf16 ulp. The kernel's exp()
+may differ from torch's by ~2 ulp, so a token whose ratio lies within 1e-6 of a clip boundary
+may flip its clip flag (and its gradient); such tokens are counted and left out of the
+element-wise gradient check.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before triton or the kernel module is imported (the kernels also JIT lazily, per mode).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_dapo.algorithm import STAT_KEYS, policy_loss  # noqa: E402
+from megatron_dapo.kernels import compute_policy_loss, fused_policy_loss  # noqa: E402
+from megatron_dapo.kernels import ratio_clip_reduce as rcr  # noqa: E402
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+DUAL_C = 3.0
+BLOCK = 4096  # several programs per test batch, still fast in the interpreter
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def make_batch(b, t, dtype=torch.float32, adv_per_token=False, with_isw=False, poison=True):
+    """Random [B, T] inputs with ragged padding; log-ratios mostly small, 10% wide (clips fire).
+
+    Per-response advantages alternate in sign (row 0 positive); with B >= 3 the last response
+    is empty (all padding).
+    """
+    old = torch.randn(b, t) * 2.0 - 3.0
+    d = torch.randn(b, t) * 0.3
+    wide = torch.rand(b, t) < 0.1
+    d[wide] *= 6.0
+    logp = (old + d).to(dtype)
+    if adv_per_token:
+        adv = torch.randn(b, t)
+    else:
+        adv = torch.randn(b).abs() * torch.tensor([1.0, -1.0]).repeat(b)[:b]
+    lengths = torch.randint(max(1, t // 4), t + 1, (b,))
+    if b >= 3:
+        lengths[-1] = 0
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    isw = torch.rand(b, t) * 2.0 if with_isw else None
+    if poison:  # what lies in padding must not matter
+        logp[~mask] = float("nan")
+        old[~mask] = float("inf")
+        if adv_per_token:
+            adv[~mask] = float("nan")
+        if isw is not None:
+            isw[~mask] = float("-inf")
+    return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask, "is_weight": isw}
+
+
+def ambiguous_tokens(batch, dual_clip_c=None, clamp=20.0):
+    """[B, T] bool: valid tokens whose ratio is within 1e-6 of a clip boundary."""
+    d = (batch["logp"].float() - batch["old_logp"].float()).clamp(-clamp, clamp)
+    r = torch.exp(d.double())
+    near = ((r / (1 - EPS_LOW) - 1).abs() < 1e-6) | ((r / (1 + EPS_HIGH) - 1).abs() < 1e-6)
+    if dual_clip_c is not None:
+        near |= (r / dual_clip_c - 1).abs() < 1e-6
+    return near & batch["mask"]
+
+
+def magnitudes(batch, clamp=20.0):
+    """Per-valid-token scales the summed statistics are compared against (float64)."""
+    mask = batch["mask"]
+    d = torch.where(mask, batch["logp"].float() - batch["old_logp"].float(), 0.0).clamp(-clamp, clamp).double()
+    r = torch.exp(d)
+    adv = batch["advantages"].double()
+    adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
+    w = torch.ones_like(r) if batch["is_weight"] is None else batch["is_weight"].double()
+    z = torch.zeros((), dtype=torch.float64)
+    return {
+        "loss": torch.where(mask, adv.abs() * (r + 1) * w, z).sum().item(),
+        "kl": torch.where(mask, r + 1 + d.abs(), z).sum().item(),
+    }
+
+
+# ------------------------------------------------------------------------------ running both
+
+
+def run_both(batch, dual_clip_c=None, fused_grad=False, grad_out=0.37, block=BLOCK, clamp=20.0):
+    """(kernel PolicyLoss, its grad, reference PolicyLoss, its grad) for d(loss_sum * grad_out)/dlogp.
+
+    fused_grad: pass normalizer = 1/grad_out (the trainer's token-mean), taking the fused path.
+    """
+    kw = dict(dual_clip_c=dual_clip_c, is_weight=batch["is_weight"], log_ratio_clamp=clamp)
+    args = (batch["old_logp"], batch["advantages"], batch["mask"])
+    lp = batch["logp"].clone().requires_grad_()
+    norm = 1.0 / grad_out if fused_grad else None
+    out = fused_policy_loss(lp, *args, EPS_LOW, EPS_HIGH, normalizer=norm, block=block, **kw)
+    (out.loss_sum * grad_out).backward()
+    lp_ref = batch["logp"].clone().requires_grad_()
+    ref = policy_loss(lp_ref, *args, EPS_LOW, EPS_HIGH, **kw)
+    (ref.loss_sum * grad_out).backward()
+    return out, lp.grad, ref, lp_ref.grad
+
+
+def assert_matches(batch, out, grad, ref, ref_grad, dual_clip_c=None, clamp=20.0):
+    """The module docstring's tolerances."""
+    amb = ambiguous_tokens(batch, dual_clip_c, clamp)
+    n_amb = int(amb.sum())
+    scale = magnitudes(batch, clamp)
+    assert out.loss_sum.dtype == torch.float32 and out.normalizer.dtype == torch.float32
+    assert set(out.stats) == set(STAT_KEYS)
+    assert torch.isfinite(out.loss_sum) and torch.isfinite(grad).all()
+    assert abs(out.loss_sum.item() - ref.loss_sum.item()) <= 1e-6 * scale["loss"] + 1e-30
+    assert out.normalizer.item() == ref.normalizer.item()
+    assert out.stats["tokens"].item() == ref.stats["tokens"].item()
+    for k in ("clip_low", "clip_high", "clip_dual"):
+        assert abs(out.stats[k].item() - ref.stats[k].item()) <= n_amb, k
+    for k in ("ratio_sum", "ratio_max"):
+        torch.testing.assert_close(out.stats[k], ref.stats[k], rtol=1e-6, atol=0, msg=k)
+    assert abs(out.stats["approx_kl_sum"].item() - ref.stats["approx_kl_sum"].item()) <= 1e-6 * scale["kl"] + 1e-30
+
+    assert grad.dtype == batch["logp"].dtype and grad.shape == batch["logp"].shape
+    assert (grad[~batch["mask"]] == 0).all()
+    keep = ~amb
+    if batch["logp"].dtype == torch.float32:
+        torch.testing.assert_close(grad[keep], ref_grad[keep], rtol=1e-6, atol=1e-30)
+    else:  # identical rounding to the same dtype: at most one ulp apart
+        torch.testing.assert_close(grad[keep].float(), ref_grad[keep].float(), rtol=2**-7, atol=1e-30)
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_kernel_runs_in_interpreter():
+    """Nothing here is silently skipped: the kernels really run interpreted on this CPU."""
+    assert rcr.interpreter_enabled()
+    assert type(rcr._kernels()[0]).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("adv_per_token", [False, True], ids=["adv_resp", "adv_token"])
+@pytest.mark.parametrize("dual_clip_c", [None, DUAL_C], ids=["nodual", "dual"])
+@pytest.mark.parametrize("with_isw", [False, True], ids=["noisw", "isw"])
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_matches_reference(dtype, adv_per_token, dual_clip_c, with_isw, fused_grad):
+    batch = make_batch(5, 3001, dtype, adv_per_token, with_isw)  # 15005 tokens: 4 blocks, the last partial
+    out, grad, ref, ref_grad = run_both(batch, dual_clip_c, fused_grad)
+    assert_matches(batch, out, grad, ref, ref_grad, dual_clip_c)
+    # the batch exercises every branch
+    assert ref.stats["clip_low"] > 0 and ref.stats["clip_high"] > 0
+    if dual_clip_c is not None:
+        assert ref.stats["clip_dual"] > 0
+
+
+@pytest.mark.parametrize("adv_per_token", [False, True], ids=["adv_resp", "adv_token"])
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_matches_reference_reading_padding(monkeypatch, adv_per_token, fused_grad):
+    """SKIP_PADDING_LOADS=False (vector loads that fetch the NaN padding) gives the same results."""
+    monkeypatch.setattr(rcr, "SKIP_PADDING_LOADS", False)
+    batch = make_batch(5, 3001, torch.bfloat16, adv_per_token, with_isw=True)
+    out, grad, ref, ref_grad = run_both(batch, DUAL_C, fused_grad)
+    assert_matches(batch, out, grad, ref, ref_grad, DUAL_C)
+
+
+def test_empty_batch():
+    for shape in [(0, 5), (3, 0)]:
+        lp = torch.zeros(shape, requires_grad=True)
+        out = fused_policy_loss(lp, torch.zeros(shape), torch.zeros(shape[0]), torch.ones(shape, dtype=torch.bool))
+        out.loss_sum.backward()
+        assert out.loss_sum.item() == 0.0 and all(v.item() == 0.0 for v in out.stats.values())
+        assert lp.grad.shape == shape
+
+
+def test_large_batch_default_block():
+    """1M tokens at the interpreter's default block (8 programs)."""
+    batch = make_batch(64, 16411, torch.bfloat16, with_isw=True)
+    t0 = time.perf_counter()
+    out, grad, ref, ref_grad = run_both(batch, DUAL_C, fused_grad=True, block=None)
+    print(f"1.05M tokens, fused fwd+bwd and reference: {time.perf_counter() - t0:.2f} s")
+    assert_matches(batch, out, grad, ref, ref_grad, DUAL_C)
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_fp16_logp(fused_grad):
+    batch = make_batch(3, 777, torch.float16)
+    out, grad, ref, ref_grad = run_both(batch, DUAL_C, fused_grad)
+    amb = ambiguous_tokens(batch, DUAL_C)
+    torch.testing.assert_close(grad[~amb].float(), ref_grad[~amb].float(), rtol=2**-10, atol=1e-30)
+    torch.testing.assert_close(out.loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_all_masked_is_zero_without_nan(dtype, fused_grad):
+    batch = make_batch(4, 1000, dtype, adv_per_token=True, with_isw=True)
+    batch["mask"][:] = False
+    for k in ("logp", "old_logp", "advantages", "is_weight"):
+        batch[k].fill_(float("nan"))
+    out, grad, ref, _ = run_both(batch, DUAL_C, fused_grad)
+    assert out.loss_sum.item() == 0.0 and ref.loss_sum.item() == 0.0
+    assert out.normalizer.item() == 0.0
+    assert all(v.item() == 0.0 for v in out.stats.values())
+    assert (grad == 0).all() and not grad.isnan().any()
+
+
+def test_global_normalizer_zero_gives_zero_grad():
+    """A mini-batch with no valid token at all: normalizer 0 must not turn into inf/NaN."""
+    batch = make_batch(2, 50, with_isw=True)
+    batch["mask"][:] = False
+    lp = batch["logp"].clone().requires_grad_()
+    out = fused_policy_loss(lp, batch["old_logp"], batch["advantages"], batch["mask"], normalizer=0)
+    out.loss_sum.backward()
+    assert (lp.grad == 0).all()
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_one_token(fused_grad):
+    for _ in range(5):
+        batch = make_batch(1, 1, adv_per_token=False)
+        batch["advantages"] = torch.randn(1)
+        out, grad, ref, ref_grad = run_both(batch, DUAL_C, fused_grad)
+        assert_matches(batch, out, grad, ref, ref_grad, DUAL_C)
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_extreme_log_ratios_are_clamped(fused_grad):
+    """Log-ratios of +-50: the ratio saturates at exp(+-20) and the gradient is zero there."""
+    batch = make_batch(4, 500, with_isw=True, adv_per_token=True)
+    sign = torch.where(torch.rand(4, 500) < 0.5, -1.0, 1.0)
+    extreme = torch.rand(4, 500) < 0.3
+    batch["logp"] = torch.where(extreme, batch["old_logp"] + 50.0 * sign, batch["logp"])
+    out, grad, ref, ref_grad = run_both(batch, DUAL_C, fused_grad)
+    assert_matches(batch, out, grad, ref, ref_grad, DUAL_C)
+    assert (grad[extreme & batch["mask"]] == 0).all()
+    assert math.isclose(out.stats["ratio_max"].item(), math.exp(20.0), rel_tol=1e-6)
+
+
+def test_fused_grad_with_other_grad_output():
+    """The fused path's backward honours any grad_output, not only 1/normalizer."""
+    batch = make_batch(3, 999, with_isw=True)
+    args = (batch["old_logp"], batch["advantages"], batch["mask"])
+    lp = batch["logp"].clone().requires_grad_()
+    out = fused_policy_loss(lp, *args, is_weight=batch["is_weight"], normalizer=torch.tensor(777.0), block=BLOCK)
+    (out.loss_sum * -2.5).backward()
+    lp_ref = batch["logp"].clone().requires_grad_()
+    (policy_loss(lp_ref, *args, is_weight=batch["is_weight"]).loss_sum * -2.5).backward()
+    keep = ~ambiguous_tokens(batch)
+    torch.testing.assert_close(lp.grad[keep], lp_ref.grad[keep], rtol=2e-6, atol=1e-30)
+
+
+def test_no_grad_needed():
+    """logp without requires_grad (e.g. evaluation): stats only, on both paths."""
+    batch = make_batch(3, 500)
+    for norm in (None, 100.0):
+        out = compute_policy_loss(
+            "fused", batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], normalizer=norm
+        )
+        ref = policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
+        assert not out.loss_sum.requires_grad
+        assert out.stats["tokens"].item() == ref.stats["tokens"].item()
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_bit_identical_runs(fused_grad):
+    batch = make_batch(6, 4097, torch.bfloat16, adv_per_token=True, with_isw=True)
+    runs = [run_both(batch, DUAL_C, fused_grad)[:2] for _ in range(2)]
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a.loss_sum, b.loss_sum) and torch.equal(a.normalizer, b.normalizer)
+    assert all(torch.equal(a.stats[k], b.stats[k]) for k in STAT_KEYS)
+    assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("block", [32, 1024, 4096])
+def test_response_index_of_every_token(block):
+    """Per-response advantages reach exactly their own tokens, for awkward T and blocks.
+
+    With logp == old_logp every ratio is 1 and the gradient of loss_sum is -A[b] per token.
+    """
+    for t in (1, 2, 3, 7, 100, 1023, 4097):
+        if 2 * t > 40 * block:  # the interpreter runs ~50 programs a second: keep launches small
+            continue
+        b = max(2, min(40, 40 * block // t))
+        adv = torch.arange(1, b + 1, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(b)[:b]
+        old = torch.randn(b, t)
+        lp = old.clone().requires_grad_()
+        fused_policy_loss(lp, old, adv, torch.ones(b, t, dtype=torch.bool), block=block).loss_sum.backward()
+        assert torch.equal(lp.grad, (-adv)[:, None].expand(b, t)), t
+
+
+def test_mask_and_advantage_layouts():
+    """Float/uint8 masks, [B, 1] advantages and non-contiguous inputs mean the same thing."""
+    batch = make_batch(4, 300, adv_per_token=False)
+    base = fused_policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
+    wide = torch.cat([batch["logp"], batch["logp"]], dim=1)[:, :300]  # non-contiguous
+    for mask in (batch["mask"].float(), batch["mask"].to(torch.uint8)):
+        for adv in (batch["advantages"][:, None], batch["advantages"][:, None].expand(4, 300)):
+            out = fused_policy_loss(wide, batch["old_logp"], adv, mask)
+            assert torch.equal(out.loss_sum, base.loss_sum)
+            assert all(torch.equal(out.stats[k], base.stats[k]) for k in STAT_KEYS)
+
+
+def test_bad_shapes_raise():
+    batch = make_batch(2, 10)
+    with pytest.raises(ValueError, match="same"):
+        fused_policy_loss(batch["logp"], batch["old_logp"][:, :5], batch["advantages"], batch["mask"])
+    with pytest.raises(ValueError, match="advantages"):
+        fused_policy_loss(batch["logp"], batch["old_logp"], torch.zeros(3), batch["mask"])
+    with pytest.raises(ValueError, match="power of two"):
+        fused_policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], block=1000)
+
+
+def _smooth_batch(b, t, dtype):
+    """Inputs whose ratios are at least 1% away from every kink (clip bounds, dual cap; no clamp)."""
+    batch = make_batch(b, t, adv_per_token=True, with_isw=True, poison=False)
+    d = torch.randn(b, t, dtype=torch.float64) * 0.6
+    r = d.exp()
+    for kink in (1 - EPS_LOW, 1 + EPS_HIGH, DUAL_C):
+        d = torch.where((r / kink - 1).abs() < 1e-2, d + 0.05, d)  # kinks lie > 0.2 apart in log space
+    batch["old_logp"] = batch["old_logp"].to(dtype)
+    batch["logp"] = (batch["old_logp"] + d).to(dtype)
+    batch["advantages"] = batch["advantages"].to(dtype)
+    batch["is_weight"] = batch["is_weight"].to(dtype)
+    return batch
+
+
+@pytest.mark.parametrize("fused_grad", [False, True], ids=["sep_bwd", "fused_bwd"])
+def test_gradcheck_float64(fused_grad):
+    """The kernel runs in float64 for float64 logp, so autograd.gradcheck applies."""
+    batch = _smooth_batch(3, 7, torch.float64)
+    norm = 13.0 if fused_grad else None
+    args = (batch["old_logp"], batch["advantages"], batch["mask"])
+
+    def f(lp):
+        return fused_policy_loss(lp, *args, dual_clip_c=DUAL_C, is_weight=batch["is_weight"], normalizer=norm).loss_sum
+
+    lp = batch["logp"].clone().requires_grad_()
+    assert f(lp).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (lp,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_finite_differences_float32():
+    """The float32 kernel's gradient against central differences of its own forward."""
+    batch = _smooth_batch(2, 9, torch.float32)
+    lp = batch["logp"].clone().requires_grad_()
+    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"])
+    args = (batch["old_logp"], batch["advantages"], batch["mask"])
+    fused_policy_loss(lp, *args, **kw).loss_sum.backward()
+    h = 1e-3  # moves r by 0.1%: inside the 1% margin, large against float32 rounding of the sum
+    for i, j in [(0, 0), (0, 4), (1, 8), (1, 3)]:
+        if not batch["mask"][i, j]:
+            continue
+        up, dn = batch["logp"].clone(), batch["logp"].clone()
+        up[i, j] += h
+        dn[i, j] -= h
+        fd = (fused_policy_loss(up, *args, **kw).loss_sum - fused_policy_loss(dn, *args, **kw).loss_sum) / (2 * h)
+        assert math.isclose(lp.grad[i, j].item(), fd.item(), rel_tol=1e-2, abs_tol=1e-3), (i, j)
+
+
+# ------------------------------------------------------------------------------ dispatcher
+
+
+def _spies(monkeypatch):
+    calls = []
+    real_fused, real_ref = rcr.fused_policy_loss, rcr.policy_loss
+    monkeypatch.setattr(rcr, "fused_policy_loss", lambda *a, **k: calls.append("fused") or real_fused(*a, **k))
+    monkeypatch.setattr(rcr, "policy_loss", lambda *a, **k: calls.append("reference") or real_ref(*a, **k))
+    return calls
+
+
+def _call(impl, batch, **kw):
+    return rcr.compute_policy_loss(impl, batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], **kw)
+
+
+def test_dispatch_auto_follows_interpreter(monkeypatch):
+    batch = make_batch(2, 64)
+    calls = _spies(monkeypatch)
+    _call("auto", batch)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _call("auto", batch)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _call("auto", batch)
+    assert calls == ["fused", "reference", "reference"]
+
+
+def test_dispatch_fused_without_interpreter_is_a_clear_error(monkeypatch):
+    batch = make_batch(2, 64)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="algorithm.loss_impl"):
+        _call("fused", batch)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        fused_policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
+
+
+def test_dispatch_reference_seq_mean_and_bad_impl(monkeypatch):
+    batch = make_batch(3, 64)
+    calls = _spies(monkeypatch)
+    _call("reference", batch)
+    out = _call("fused", batch, loss_agg_mode="seq-mean-token-mean")
+    ref = policy_loss(
+        batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], loss_agg_mode="seq-mean-token-mean"
+    )
+    assert torch.equal(out.loss_sum, ref.loss_sum) and torch.equal(out.normalizer, ref.normalizer)
+    _call("fused", batch, normalizer=100.0)
+    assert calls == ["reference", "reference", "fused"]
+    with pytest.raises(ValueError, match="algorithm.loss_impl"):
+        _call("triton", batch)
+
+
+def test_dispatch_fused_result_equals_reference():
+    batch = make_batch(3, 555, adv_per_token=True, with_isw=True)
+    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"])
+    out = _call("auto", batch, normalizer=1000.0, **kw)
+    ref = _call("reference", batch, **kw)
+    assert out.stats["tokens"].item() == ref.stats["tokens"].item()
+    assert abs(out.loss_sum.item() - ref.loss_sum.item()) <= 1e-6 * magnitudes(batch)["loss"]
