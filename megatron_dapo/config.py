@@ -28,9 +28,14 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_dapo.algorithm.policy_loss import LOSS_AGG_MODES
 from megatron_dapo.data.datasets import BAD_ROW_POLICIES
 from megatron_dapo.data.datasets import FORMATS as DATASET_FORMATS
+from megatron_dapo.kernels.ratio_clip_reduce import LOSS_IMPLS
 from megatron_dapo.reward.verifiers import VERIFIER_NAMES
 
-LOSS_IMPLS = ("auto", "reference", "fused")
+DTYPES = ("bf16", "fp16", "fp32")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+RECOMPUTE = ("selective", "full")
+IMPLS = ("auto", "transformer_engine", "local")
 SAMPLER_MODES = ("fill", "dynamic_bs")
 
 
@@ -167,6 +172,54 @@ class OptimConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The Megatron-Core policy."""
+
+    hf_path: str = ""
+    """Hugging Face model directory: its config.json gives the architecture (Qwen2/Qwen2.5 or
+    Llama), its safetensors the initial weights."""
+    dtype: str = "bf16"
+    """Parameter and compute precision: 'bf16', 'fp16' or 'fp32' (optimizer state is fp32)."""
+    fp8: Optional[str] = None
+    """FP8 through Transformer Engine (GPU only): 'e4m3' or 'hybrid'; null = off."""
+    fp8_recipe: str = "delayed"
+    """Transformer Engine FP8 recipe: 'delayed', 'tensorwise' or 'blockwise'."""
+    recompute: Optional[str] = None
+    """Activation recompute: null, 'selective' (attention core) or 'full' (whole layers)."""
+    recompute_num_layers: int = 1
+    """With recompute='full': layers per recompute block (uniform method)."""
+    transformer_impl: str = "auto"
+    """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU, else local)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron parallel layout; data parallel is world_size / (tp x pp x cp)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; null = off."""
+    cp: int = 1
+    """Context-parallel size (needs Transformer Engine)."""
+    sequence_parallel: bool = True
+    """Sequence parallel with tp > 1 (needs Transformer Engine; ignored on the local spec)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+
+
+@dataclass
+class TrainConfig:
+    """How a mini-batch runs through the policy."""
+
+    max_tokens_per_microbatch: int = 16384
+    """Token budget of a micro-batch (padded prompt + response tokens per sequence, summed):
+    sequences are packed into micro-batches under it, so long and short responses balance."""
+
+
+@dataclass
 class Config:
     """The root of the tree."""
 
@@ -184,6 +237,12 @@ class Config:
     """See RewardConfig."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """See OptimConfig."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """See ModelConfig."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """See ParallelConfig."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """See TrainConfig."""
 
     def validate(self) -> Config:
         """Raise ConfigError for values that cannot run; return self."""
@@ -260,6 +319,27 @@ class Config:
         _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a value >= 0")
         _check(o.clip_grad > 0, "optim.clip_grad", o.clip_grad, "a value > 0")
         _check(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "an integer >= 1")
+        m, par = self.model, self.parallel
+        _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {DTYPES}")
+        if m.fp8 is not None:
+            _check(m.fp8 in FP8_FORMATS, "model.fp8", m.fp8, f"one of {FP8_FORMATS} or null")
+        _check(m.fp8_recipe in FP8_RECIPES, "model.fp8_recipe", m.fp8_recipe, f"one of {FP8_RECIPES}")
+        if m.recompute is not None:
+            _check(m.recompute in RECOMPUTE, "model.recompute", m.recompute, f"one of {RECOMPUTE} or null")
+        _check(m.recompute_num_layers >= 1, "model.recompute_num_layers", m.recompute_num_layers, "an integer >= 1")
+        _check(m.transformer_impl in IMPLS, "model.transformer_impl", m.transformer_impl, f"one of {IMPLS}")
+        for key in ("tp", "pp", "cp"):
+            _check(getattr(par, key) >= 1, f"parallel.{key}", getattr(par, key), "an integer >= 1")
+        if par.vpp is not None:
+            _check(
+                par.vpp >= 2 and par.pp >= 2, "parallel.vpp", par.vpp, "an integer >= 2 with parallel.pp >= 2, or null"
+            )
+        _check(
+            self.train.max_tokens_per_microbatch >= 1,
+            "train.max_tokens_per_microbatch",
+            self.train.max_tokens_per_microbatch,
+            "an integer >= 1",
+        )
         responses = s.train_batch_size * a.group_size
         if s.mode == "fill":
             _check(

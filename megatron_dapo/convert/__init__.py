@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron-Core name and layout maps, per model family."""

@@ -1,0 +1,1 @@
+"""The Megatron-Core policy: model provider, parallel state, logprobs and the DAPO train step."""

@@ -1,0 +1,143 @@
+"""Parallel state: torch.distributed and Megatron's process groups, from the torchrun environment.
+
+One SPMD program per device, launched by torchrun: RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT come from the environment (a lone process without torchrun is
+rank 0 of 1). nccl on GPU, gloo on CPU. The layout is checked against the model before
+anything is allocated, so an impossible one fails in a second, not after a checkpoint load.
+Megatron keeps the groups themselves (megatron.core.parallel_state); `Layout` is our view.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_dapo.model import cpu_compat
+from megatron_dapo.model.arch import ModelArch
+
+
+class LayoutError(ConfigError):
+    """A parallel layout that cannot hold the model on this world."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    local_rank: int
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    cp: int
+    dp: int
+    use_te: bool
+    sequence_parallel: bool
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def have_transformer_engine() -> bool:
+    """TE needs CUDA: on CPU its mere presence breaks `import megatron.core`, so never probe there."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_transformer_engine(model: ModelConfig) -> bool:
+    if model.transformer_impl == "transformer_engine":
+        if not have_transformer_engine():
+            raise LayoutError(
+                "model.transformer_impl='transformer_engine' but Transformer Engine is not usable here "
+                "(it needs CUDA and the transformer-engine package); use 'local' or 'auto'"
+            )
+        return True
+    return model.transformer_impl == "auto" and have_transformer_engine()
+
+
+def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world_size: int) -> Layout:
+    """Validate a layout without touching a device; returns it with dp filled in (rank fields 0)."""
+    te = use_transformer_engine(model)
+    cells = par.tp * par.pp * par.cp
+    if world_size % cells:
+        raise LayoutError(
+            f"world size {world_size} is not a multiple of parallel.tp x parallel.pp x parallel.cp = "
+            f"{par.tp} x {par.pp} x {par.cp} = {cells}"
+        )
+    if arch.num_attention_heads % par.tp:
+        raise LayoutError(f"parallel.tp={par.tp} must divide the model's {arch.num_attention_heads} attention heads")
+    if arch.num_key_value_heads % par.tp:
+        raise LayoutError(
+            f"parallel.tp={par.tp} must divide the model's {arch.num_key_value_heads} query groups (KV heads)"
+        )
+    stages = par.pp * (par.vpp or 1)
+    if arch.num_layers % stages:
+        what = f"parallel.pp x parallel.vpp = {par.pp} x {par.vpp}" if par.vpp else f"parallel.pp={par.pp}"
+        raise LayoutError(f"the model's {arch.num_layers} layers do not split evenly over {what} stages")
+    if par.cp > 1 and not te:
+        raise LayoutError(f"parallel.cp={par.cp} needs Transformer Engine (GPU only); use parallel.cp=1 here")
+    if model.fp8 is not None and not te:
+        raise LayoutError(f"model.fp8={model.fp8!r} needs Transformer Engine (GPU only); set model.fp8=null")
+    return Layout(
+        world_size=world_size,
+        rank=0,
+        local_rank=0,
+        tp=par.tp,
+        pp=par.pp,
+        vpp=par.vpp,
+        cp=par.cp,
+        dp=world_size // cells,
+        use_te=te,
+        sequence_parallel=par.sequence_parallel and par.tp > 1 and te,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed: int) -> Layout:
+    """torch.distributed + Megatron process groups + Megatron's model-parallel RNG, from the environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    layout = check_layout(arch, par, model, world_size)  # before any allocation
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    else:
+        cpu_compat.enable()
+        backend = "gloo"
+    if not dist.is_initialized():
+        if world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        context_parallel_size=par.cp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return Layout(**{**layout.__dict__, "rank": rank, "local_rank": local_rank})
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,315 @@
+"""The Megatron policy: logprobs of responses and the DAPO train step.
+
+A mini-batch of samples (this data-parallel rank's share) is packed into micro-batches
+under a token budget, then run through Megatron's forward-backward schedule (no pipeline,
+1F1B or interleaved, from the layout). The DAPO loss is token-mean over the *whole*
+mini-batch: the number of valid response tokens across every micro-batch, pipeline stage
+and data-parallel rank is known before the step, so it is all-reduced once and each
+micro-batch contributes loss_sum / global_tokens. Megatron is told the loss is already
+normalised (calculate_per_token_loss, and a finalize that does not rescale), and its DDP
+sums (not averages) gradients over data-parallel ranks, so the gradient is exactly that of
+the global token-mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.algorithm import loss_metrics, reduce_stats, truncated_is_weight
+from megatron_dapo.config import Config
+from megatron_dapo.kernels import compute_policy_loss
+from megatron_dapo.model import provider
+from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.logprobs import token_entropy, token_logprobs
+from megatron_dapo.model.parallel import Layout
+
+
+@dataclass
+class TrainSample:
+    """One prompt + response to score or train on."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float = 0.0
+    old_logp: Optional[torch.Tensor] = None
+    """[len(response_ids)] float32: logprobs of the policy that sampled, recomputed by compute_logprobs."""
+    rollout_logp: Optional[torch.Tensor] = None
+    """[len(response_ids)] float32: the rollout engine's sampling logprobs (for truncated IS)."""
+    in_loss: bool = True
+    """False masks the whole response out of the loss (overlong filtering)."""
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences; per-token tensors sit at the position that predicts the token."""
+
+    indices: list[int]
+    tokens: torch.Tensor  # [b, L] long
+    position_ids: torch.Tensor  # [b, L] long
+    targets: torch.Tensor  # [b, L] long: tokens shifted left by one
+    response_mask: torch.Tensor  # [b, L] bool: positions predicting a response token
+    loss_mask: torch.Tensor  # [b, L] bool: response_mask and the sample is in the loss
+    advantages: torch.Tensor  # [b, L] float32
+    old_logp: Optional[torch.Tensor] = None  # [b, L] float32
+    rollout_logp: Optional[torch.Tensor] = None  # [b, L] float32
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices so each micro-batch's padded size (count x longest) fits max_tokens.
+
+    Longest first, filled greedily; a sequence longer than the budget gets a micro-batch of
+    its own. Deterministic. lengths: tokens per sequence (prompt + response).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def collate(samples: list[TrainSample], indices: list[int], device: torch.device) -> MicroBatch:
+    seqs = [samples[i] for i in indices]
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
+    b = len(seqs)
+    tokens = torch.zeros(b, length, dtype=torch.long)
+    response_mask = torch.zeros(b, length, dtype=torch.bool)
+    in_loss = torch.zeros(b, 1, dtype=torch.bool)
+    advantages = torch.zeros(b, length)
+    have_old = all(s.old_logp is not None for s in seqs)
+    have_rollout = all(s.rollout_logp is not None for s in seqs)
+    old_logp = torch.zeros(b, length) if have_old else None
+    rollout_logp = torch.zeros(b, length) if have_rollout else None
+    for row, s in enumerate(seqs):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        span = slice(p - 1, p + r - 1)  # position t predicts token t + 1
+        response_mask[row, span] = True
+        advantages[row, span] = s.advantage
+        in_loss[row] = s.in_loss
+        if old_logp is not None:
+            old_logp[row, span] = s.old_logp.float()
+        if rollout_logp is not None:
+            rollout_logp[row, span] = s.rollout_logp.float()
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    to = partial(torch.Tensor.to, device=device)
+    return MicroBatch(
+        indices=list(indices),
+        tokens=to(tokens),
+        position_ids=to(torch.arange(length).expand(b, length).contiguous()),
+        targets=to(targets),
+        response_mask=to(response_mask),
+        loss_mask=to(response_mask & in_loss),
+        advantages=to(advantages),
+        old_logp=None if old_logp is None else to(old_logp),
+        rollout_logp=None if rollout_logp is None else to(rollout_logp),
+    )
+
+
+class MegatronPolicy:
+    """Megatron model chunks, optimizer and schedule for one rank of a layout."""
+
+    def __init__(self, cfg: Config, arch: ModelArch, layout: Layout, full_weights: dict[str, torch.Tensor]):
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.cfg, self.arch, self.layout = cfg, arch, layout
+        chunks = provider.build_model_chunks(arch, cfg, layout)
+        provider.load_full_weights(chunks, full_weights, arch, layout)
+        self.model = provider.wrap_ddp(chunks, cfg)
+        self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
+        tf_config = chunks[0].config
+        tf_config.grad_scale_func = self.optimizer.scale_loss
+        tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        # The loss is already divided by the global token count: finalize must not rescale by it.
+        tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
+        self._forward_backward = get_forward_backward_func()
+        self.optimizer_steps = 0
+
+    # ---------------------------------------------------------------- helpers
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def _run(self, samples: list[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
+        """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch)
+        mbs = [collate(samples, g, self.layout.device) for g in groups]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, mb.position_ids, attention_mask=None)
+            return output, partial(loss_fn, mb)
+
+        iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        return self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=max(lengths),
+            micro_batch_size=max(len(g) for g in groups),
+            forward_only=forward_only,
+        )
+
+    # ---------------------------------------------------------------- logprobs
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, samples: list[TrainSample], temperature: float
+    ) -> Optional[list[dict[str, torch.Tensor]]]:
+        """Response-token logprobs and entropy under the current weights (forward only).
+
+        Returns, on the last pipeline stage, one {"logp": [R], "entropy": [R]} float32 per
+        sample (CPU tensors); None on other stages.
+        """
+        for m in self.model:
+            m.eval()
+        vocab = self.arch.vocab_size
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            logp = token_logprobs(logits, mb.targets, temperature, vocab)
+            entropy = token_entropy(logits, temperature, vocab)
+            return (
+                torch.zeros((), device=logits.device),
+                torch.zeros((), dtype=torch.int),
+                {
+                    "indices": mb.indices,
+                    "logp": logp.cpu(),
+                    "entropy": entropy.cpu(),
+                    "mask": mb.response_mask.cpu(),
+                },
+            )
+
+        outputs = self._run(samples, loss_fn, forward_only=True)
+        for m in self.model:
+            m.train()
+        if not self.is_last_stage:
+            return None
+        result: list[Optional[dict[str, torch.Tensor]]] = [None] * len(samples)
+        for out in outputs:
+            for row, i in enumerate(out["indices"]):
+                mask = out["mask"][row]
+                result[i] = {"logp": out["logp"][row][mask], "entropy": out["entropy"][row][mask]}
+        return result  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- train step
+
+    def global_normalizer(self, samples: list[TrainSample]) -> float:
+        """What the mini-batch's loss sum is divided by, summed over data-parallel ranks.
+
+        token-mean: valid response tokens; seq-mean-token-mean: responses with a valid token.
+        """
+        if self.cfg.algorithm.loss_agg_mode == "token-mean":
+            local = sum(len(s.response_ids) for s in samples if s.in_loss)
+        else:
+            local = sum(1 for s in samples if s.in_loss and s.response_ids)
+        count = torch.tensor([float(local)], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(count, group=self._dp_group())
+        return float(count.item())
+
+    def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch (old_logp needed on the last stage).
+
+        Returns metrics (identical on every rank): actor/loss, actor/grad_norm, actor/lr,
+        clip fractions, ratio, approx KL, entropy, tokens, and whether the update was applied.
+        """
+        if self.is_last_stage and any(s.old_logp is None for s in samples):
+            raise ValueError("train_step: every sample needs old_logp on the last stage (from compute_logprobs)")
+        a = self.cfg.algorithm
+        normalizer = self.global_normalizer(samples)
+        vocab = self.arch.vocab_size
+        t0 = time.perf_counter()
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            logp = token_logprobs(logits, mb.targets, temperature, vocab)
+            is_weight = None
+            if a.tis_cap is not None and mb.rollout_logp is not None:
+                is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, a.tis_cap, a.log_ratio_clamp)
+            out = compute_policy_loss(
+                a.loss_impl,
+                logp,
+                mb.old_logp,
+                mb.advantages,
+                mb.loss_mask,
+                eps_low=a.eps_low,
+                eps_high=a.eps_high,
+                dual_clip_c=a.dual_clip_c,
+                is_weight=is_weight,
+                loss_agg_mode=a.loss_agg_mode,
+                log_ratio_clamp=a.log_ratio_clamp,
+            )
+            loss = out.loss_sum / max(normalizer, 1.0)
+            entropy = token_entropy(logits, temperature, vocab)
+            stats = dict(out.stats)
+            stats["entropy_sum"] = torch.where(mb.loss_mask, entropy, torch.zeros_like(entropy)).sum()
+            stats["loss"] = loss.detach().float()
+            return loss, out.normalizer.detach().to(torch.int), stats
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(samples, loss_fn, forward_only=False)
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=1)
+            self.optimizer_steps += 1
+        metrics = self._reduce_metrics(outputs)
+        metrics.update(
+            {
+                "actor/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                "actor/lr": self.optimizer.param_groups[0]["lr"],
+                "actor/update_applied": float(bool(applied)),
+                "actor/normalizer": normalizer,
+                "timing/train_step": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Sum the last stage's statistics over micro-batches and DP ranks, then share them with every stage."""
+        from megatron.core import parallel_state
+
+        keys = ["loss", "entropy_sum", "tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl_sum"]
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+        if self.is_last_stage and outputs:
+            stats = reduce_stats(outputs)
+            for j, k in enumerate(keys):
+                sums[j] = float(sum(float(o[k]) for o in outputs)) if k in ("loss", "entropy_sum") else float(stats[k])
+            sums[-1] = float(stats["ratio_max"])
+        sums = sums.to(self.layout.device)
+        ratio_max = sums[-1:].clone()
+        dist.all_reduce(sums[:-1], group=self._dp_group())
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self._dp_group())
+        if self.layout.pp > 1:  # the last stage knows; the others learn it
+            group = parallel_state.get_pipeline_model_parallel_group()
+            last = parallel_state.get_pipeline_model_parallel_last_rank()
+            packed = torch.cat([sums[:-1], ratio_max])
+            dist.broadcast(packed, src=last, group=group)
+            sums, ratio_max = packed, packed[-1:]
+        total = {k: torch.tensor(float(sums[j])) for j, k in enumerate(keys)}
+        total["ratio_max"] = torch.tensor(float(ratio_max[0]))
+        metrics = loss_metrics(total)
+        tokens = max(float(total["tokens"]), 1.0)
+        metrics["actor/loss"] = float(total["loss"])
+        metrics["actor/entropy"] = float(total["entropy_sum"]) / tokens
+        return metrics

@@ -1,0 +1,268 @@
+"""Build the Megatron-Core GPTModel policy (chunks, DDP, optimizer, LR schedule) and load weights.
+
+The Transformer Engine layer spec is used when TE is usable (GPU), the local spec
+otherwise; everything else is the same code path on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.config import Config
+from megatron_dapo.convert.layouts import TE_NORM_NAMES, layer_of, tp_shard, tp_split_dim, tp_unshard
+from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.parallel import Layout
+
+VOCAB_DIVISIBLE_BY = 128
+"""The vocabulary is padded to a multiple of this times tp (Megatron-LM's default), for GEMM shapes."""
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def padded_vocab_size(arch: ModelArch, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-arch.vocab_size // multiple) * multiple
+
+
+def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
+    """Megatron TransformerConfig for the arch, precision, recompute and layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    m = cfg.model
+    dtype = _DTYPES[m.dtype]
+    kwargs = {}
+    if m.fp8 is not None:
+        kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
+    if m.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif m.recompute == "full":
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=m.recompute_num_layers
+        )
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Weights are loaded afterwards, but Megatron sets the tensor-parallel attributes that
+        # grad-norm clipping relies on only inside its init: without it TP>1 clips wrongly.
+        perform_initialization=True,
+        # fused kernels need CUDA (and some TE); the unfused paths are exact
+        bias_dropout_fusion=layout.use_te,
+        masked_softmax_fusion=layout.use_te,
+        apply_rope_fusion=layout.use_te,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # our loss normalises by the mini-batch's global token count itself (see policy.py)
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,  # micro-batches are padded to their own longest sequence
+        moe_token_dispatcher_type="alltoall",  # dense model; only so the config check accepts variable lengths
+        batch_p2p_comm=False,  # gloo cannot batch p2p; nccl is fine either way
+        **kwargs,
+    )
+
+
+def layer_spec(arch: ModelArch, layout: Layout):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if layout.use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+
+
+def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
+    """GPTModel chunks of this pipeline rank (one, or vpp with the interleaved schedule), not yet wrapped."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    tf_config = transformer_config(arch, cfg, layout)
+    spec = layer_spec(arch, layout)
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        vp = vp_stage if layout.vpp else None
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(arch, layout.tp),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            vp_stage=vp,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def wrap_ddp(chunks: list, cfg: Config) -> list:
+    """Megatron DDP around each chunk: fp32 grad buffers, reduced once per mini-batch."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def build_optimizer(ddp_chunks: list, cfg: Config):
+    """AdamW (decoupled weight decay, none on biases and norms), grad-norm clipping, fp32 main params."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optim
+    dtype = _DTYPES[cfg.model.dtype]
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    # Linear warm-up from 0 over warmup_steps optimizer steps, then constant (as verl's Megatron actor).
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=o.warmup_steps + 1,
+        lr_decay_style="constant",
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------- weights
+
+
+@dataclass
+class _Slot:
+    """Where a local parameter's data comes from: a full Megatron tensor name (global layer number)."""
+
+    full_name: str
+    param: torch.nn.Parameter
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _local_slots(chunks: list, arch: ModelArch) -> Iterator[_Slot]:
+    """Every parameter of this rank with its full Megatron name (global layer, local-spec names)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for vp, chunk in enumerate(chunks):
+        model = _unwrap(chunk)
+        offset = get_transformer_layer_offset(model.config, vp_stage=vp if len(chunks) > 1 else None)
+        for name, param in model.named_parameters():
+            parsed = layer_of(name)
+            if parsed is not None:
+                i, suffix = parsed
+                suffix = {te: local for local, te in TE_NORM_NAMES.items()}.get(suffix, suffix)
+                name = f"decoder.layers.{i + offset}.{suffix}"
+            elif name == "output_layer.weight" and arch.tie_word_embeddings:
+                name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+            yield _Slot(name, param)
+
+
+def _pad_vocab(name: str, tensor: torch.Tensor, padded: int) -> torch.Tensor:
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight") and tensor.shape[0] < padded:
+        pad = tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, pad], dim=0)
+    return tensor
+
+
+@torch.no_grad()
+def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelArch, layout: Layout) -> None:
+    """Copy this rank's slices of full Megatron tensors (convert.layouts.hf_to_megatron) into the chunks.
+
+    Every local parameter must be covered; a missing name or a shape mismatch raises. Load
+    before build_optimizer: the optimizer takes its fp32 main params from these.
+    """
+    padded = padded_vocab_size(arch, layout.tp)
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for slot in _local_slots(chunks, arch):
+        if slot.full_name not in full:
+            raise KeyError(f"no weights for Megatron parameter '{slot.full_name}'")
+        src = tp_shard(slot.full_name, _pad_vocab(slot.full_name, full[slot.full_name], padded), tp_rank, layout.tp)
+        if src.shape != slot.param.shape:
+            raise ValueError(
+                f"'{slot.full_name}': checkpoint slice {tuple(src.shape)} does not fit parameter {tuple(slot.param.shape)}"
+            )
+        slot.param.copy_(src)
+
+
+def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (or their main grads) as full-TP Megatron tensors, vocab unpadded.
+
+    Collective over the TP group: every TP rank gets every tensor. Meant for checks and
+    small models; the weight bridge streams instead.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for slot in _local_slots(chunks, arch):
+        t = slot.param.main_grad if grads else slot.param.data
+        t = t.detach().float().contiguous()
+        if tp_split_dim(slot.full_name) is not None and layout.tp > 1:
+            shards = [torch.empty_like(t) for _ in range(layout.tp)]
+            dist.all_gather(shards, t, group=group)
+            t = tp_unshard(slot.full_name, shards)
+        if slot.full_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = t[: arch.vocab_size]
+        if slot.full_name in out:  # tied embedding on first and last stage: both must agree
+            continue
+        out[slot.full_name] = t.clone()
+    return out

@@ -1,0 +1,97 @@
+"""Shared by the Megatron model tests: tiny HF models saved as cases, and torchrun launches of megatron_worker.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.convert.layouts import hf_to_megatron
+from megatron_dapo.model.arch import ModelArch
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+
+
+def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 250, layers: int = 2, tied: bool = False):
+    """A randomly initialised tiny Qwen2 or Llama (4 heads, 2 KV groups) from transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
+    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: perturb so both matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save_case(model, batch: list[dict], out: Path) -> Path:
+    """config.json, full Megatron weights.pt and batch.pt for megatron_worker.py."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    arch = ModelArch.from_hf_dir(out)
+    torch.save(hf_to_megatron(model.state_dict(), arch), out / "weights.pt")
+    torch.save(batch, out / "batch.pt")
+    return out
+
+
+def random_batch(n: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
+    """n samples of seq tokens each (prompt 2..11, the rest response), advantages, fixed old-logp noise."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for i in range(n):
+        p = 2 + int(torch.randint(0, 10, (1,), generator=g))
+        r = seq - p
+        batch.append(
+            {
+                "prompt": torch.randint(0, vocab, (p,), generator=g).tolist(),
+                "response": torch.randint(0, vocab, (r,), generator=g).tolist(),
+                "advantage": float(torch.randn((), generator=g)),
+                "in_loss": i != 5,  # one overlong-filtered response
+                "noise": torch.randn(r, generator=g) * 0.3,  # old_logp offsets: ratios cross both clips
+            }
+        )
+    return batch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(case: Path, out: Path, nproc: int, *args: str) -> dict:
+    """torchrun megatron_worker.py; returns the rank files merged (pipeline stages hold disjoint layers)."""
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}"]
+    cmd += [str(WORKER), "--case", str(case), "--out", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    merged: dict = {"grads": {}, "weights": {}}
+    for f in sorted(out.glob("rank*.pt")):
+        part = torch.load(f)
+        merged["grads"].update(part.pop("grads", {}))
+        merged["weights"].update(part.pop("weights", {}))
+        for k, v in part.items():
+            if v is not None:  # logprobs and metrics live on the last stage
+                merged[k] = v
+    return merged

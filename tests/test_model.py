@@ -1,0 +1,172 @@
+"""The Megatron policy against Hugging Face transformers, the train step's sign, and layout checks.
+
+Megatron runs in torchrun subprocesses (its global state and the CPU patches stay out of
+the test process); the reference is transformers' own model with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+
+from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from megatron_dapo.model.arch import ArchError, ModelArch
+from megatron_dapo.model.parallel import LayoutError, check_layout
+from megatron_dapo.model.policy import pack_microbatches
+
+VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not count
+
+
+def hf_reference(model, batch: list[dict], temperature: float) -> list[dict[str, torch.Tensor]]:
+    out = []
+    with torch.no_grad():
+        for b in batch:
+            ids = torch.tensor([b["prompt"] + b["response"]])
+            logits = model(ids).logits[0].double() / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            p, r = len(b["prompt"]), len(b["response"])
+            span = slice(p - 1, p + r - 1)
+            out.append(
+                {
+                    "logp": logp[span].gather(-1, torch.tensor(b["response"])[:, None])[:, 0],
+                    "entropy": -(logp.exp() * logp).sum(-1)[span],
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, tied, nproc, overrides",
+    [
+        ("qwen2", False, 1, []),
+        ("llama", True, 1, []),
+        ("qwen2", False, 2, ["parallel.tp=2"]),
+        ("llama", True, 2, ["parallel.pp=2"]),
+    ],
+    ids=["qwen2", "llama-tied", "qwen2-tp2", "llama-tied-pp2"],
+)
+def test_logprobs_and_entropy_match_transformers(tmp_path, family, tied, nproc, overrides):
+    model = tiny_hf_model(family, seed=3, vocab_size=VOCAB, tied=tied)
+    batch = random_batch(6, 14, VOCAB, seed=5)
+    case = save_case(model, batch, tmp_path / "case")
+    got = run_worker(case, tmp_path / "out", nproc, "--mode", "logprobs", "--temperature", "0.7", *overrides)
+    want = hf_reference(model, batch, 0.7)
+    for g, w in zip(got["logprobs"], want):
+        torch.testing.assert_close(g["logp"].double(), w["logp"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(g["entropy"].double(), w["entropy"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_train_steps_move_logprobs_with_the_advantage(tmp_path, sign):
+    """Positive advantages raise the sampled tokens' logprobs, negative ones lower them: sign and scale end to end."""
+    model = tiny_hf_model("qwen2", seed=4, vocab_size=VOCAB)
+    batch = random_batch(4, 12, VOCAB, seed=6)
+    for b in batch:
+        b["advantage"], b["in_loss"] = sign, True
+    case = save_case(model, batch, tmp_path / "case")
+    got = run_worker(case, tmp_path / "out", 1, "--mode", "steps", "--steps", "3", "--temperature", "1.0")
+    before = torch.cat([x["logp"] for x in got["before"]])
+    after = torch.cat([x["logp"] for x in got["after"]])
+    assert sign * float((after - before).mean()) > 0.05
+    assert (sign * (after - before) > 0).float().mean() > 0.9  # nearly every token moves the right way
+    first = got["metrics"][0]
+    assert first["actor/loss"] == pytest.approx(-sign, abs=1e-6)  # on-policy: r = 1, loss = -A per token
+    assert first["actor/update_applied"] == 1.0 and first["actor/grad_norm"] > 0
+
+
+def test_pack_microbatches_respects_the_token_budget():
+    lengths = [int(x) for x in torch.randint(1, 40, (50,))]
+    groups = pack_microbatches(lengths, 100)
+    assert sorted(i for g in groups for i in g) == list(range(50))
+    for g in groups:
+        assert len(g) * max(lengths[i] for i in g) <= 100
+    assert pack_microbatches([150, 3], 100) == [[0], [1]]  # an over-long sequence gets its own
+    assert pack_microbatches([10] * 8, 80) == [list(range(8))]
+    assert [len(g) for g in pack_microbatches([10] * 8, 40)] == [4, 4]
+    assert pack_microbatches([], 10) == []
+
+
+def arch_of(heads=4, kv=2, layers=2, **kw) -> ModelArch:
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        **kw,
+    }
+    return ModelArch.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "par, world, needle",
+    [
+        (ParallelConfig(tp=3), 3, "parallel.tp=3 must divide the model's 4 attention heads"),
+        (ParallelConfig(tp=4), 4, "parallel.tp=4 must divide the model's 2 query groups"),
+        (ParallelConfig(pp=4), 4, "the model's 2 layers do not split evenly over parallel.pp=4 stages"),
+        (ParallelConfig(pp=2, vpp=2), 2, "do not split evenly over parallel.pp x parallel.vpp = 2 x 2"),
+        (
+            ParallelConfig(tp=2),
+            3,
+            "world size 3 is not a multiple of parallel.tp x parallel.pp x parallel.cp = 2 x 1 x 1",
+        ),
+        (ParallelConfig(cp=2), 2, "parallel.cp=2 needs Transformer Engine"),
+    ],
+)
+def test_impossible_layouts_fail_fast(par, world, needle):
+    with pytest.raises(LayoutError) as e:
+        check_layout(arch_of(), par, ModelConfig(), world)
+    assert needle in str(e.value)
+
+
+def test_layout_checks_pass_and_count_dp():
+    layout = check_layout(arch_of(layers=4), ParallelConfig(tp=2, pp=2), ModelConfig(), 8)
+    assert (layout.dp, layout.use_te, layout.sequence_parallel) == (2, False, False)
+    with pytest.raises(LayoutError, match="model.fp8='e4m3' needs Transformer Engine"):
+        check_layout(arch_of(), ParallelConfig(), ModelConfig(fp8="e4m3"), 1)
+    with pytest.raises(LayoutError, match="transformer_impl='transformer_engine'"):
+        check_layout(arch_of(), ParallelConfig(), ModelConfig(transformer_impl="transformer_engine"), 1)
+
+
+def test_bad_hf_configs(tmp_path):
+    with pytest.raises(ArchError, match="not supported; expected one of"):
+        ModelArch.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(ArchError, match="field 'intermediate_size' is missing"):
+        ModelArch.from_hf_config(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+            }
+        )
+    with pytest.raises(ArchError, match="'num_key_value_heads'=3 must divide num_attention_heads=4"):
+        arch_of(kv=3)
+    with pytest.raises(ArchError, match="no config.json"):
+        ModelArch.from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ArchError, match="not valid JSON"):
+        ModelArch.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True)])
+def test_layout_maps_round_trip_exactly(family, tied):
+    model = tiny_hf_model(family, seed=7, vocab_size=VOCAB, tied=tied)
+    arch = ModelArch.from_hf_config(json.loads(model.config.to_json_string()))
+    hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    full = hf_to_megatron(hf, arch)
+    back = dict(kv for name, t in full.items() for kv in megatron_to_hf(name, t, arch))
+    assert back.keys() == hf.keys()
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+    for name, t in full.items():  # TP=2 slices reassemble to the same tensor, fc1's gate/up included
+        assert torch.equal(tp_unshard(name, [tp_shard(name, t, r, 2) for r in range(2)]), t), name
+    with pytest.raises(ValueError, match="expected .* from config.json"):
+        hf_to_megatron({**hf, "model.norm.weight": torch.zeros(3)}, arch)
