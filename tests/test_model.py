@@ -60,6 +60,17 @@ def test_logprobs_and_entropy_match_transformers(tmp_path, family, tied, nproc, 
         torch.testing.assert_close(g["entropy"].double(), w["entropy"], rtol=0, atol=1e-5)
 
 
+def test_bf16_policy_tracks_fp32_transformers(tmp_path):
+    """bf16 (the default precision): same logprobs up to bf16 rounding of weights and activations."""
+    model = tiny_hf_model("qwen2", seed=3, vocab_size=VOCAB)
+    batch = random_batch(4, 14, VOCAB, seed=5)
+    case = save_case(model, batch, tmp_path / "case")
+    got = run_worker(case, tmp_path / "out", 1, "--mode", "logprobs", "--temperature", "1.0", "model.dtype=bf16")
+    want = hf_reference(model, batch, 1.0)
+    diff = max(float((g["logp"].double() - w["logp"]).abs().max()) for g, w in zip(got["logprobs"], want))
+    assert 0 < diff < 0.05, diff  # differs (it is bf16), but only by rounding
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_train_steps_move_logprobs_with_the_advantage(tmp_path, sign):
     """Positive advantages raise the sampled tokens' logprobs, negative ones lower them: sign and scale end to end."""

@@ -104,3 +104,9 @@ def test_pipeline_variants_match_one_process(tmp_path, family, tied, layers, ove
     ref = run(case, tmp_path, "ref", 1, budget)
     got = run(case, tmp_path, "pp", 2, budget, *overrides)
     assert_same(ref, got, overrides[-1])
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_recompute_changes_nothing(case, reference, tmp_path, mode):
+    got = run(case, tmp_path, mode, 1, f"train.max_tokens_per_microbatch={8 * SEQ}", f"model.recompute={mode}")
+    assert_same(reference, got, f"recompute={mode}")

@@ -77,9 +77,11 @@ def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def collate(samples: list[TrainSample], indices: list[int], device: torch.device) -> MicroBatch:
+def collate(samples: list[TrainSample], indices: list[int], device: torch.device, multiple: int = 1) -> MicroBatch:
+    """Right-pad samples[indices] to their longest, rounded up to `multiple` (tp under sequence parallel)."""
     seqs = [samples[i] for i in indices]
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
+    length = -(-length // multiple) * multiple
     b = len(seqs)
     tokens = torch.zeros(b, length, dtype=torch.long)
     response_mask = torch.zeros(b, length, dtype=torch.bool)
@@ -119,13 +121,16 @@ def collate(samples: list[TrainSample], indices: list[int], device: torch.device
 class MegatronPolicy:
     """Megatron model chunks, optimizer and schedule for one rank of a layout."""
 
-    def __init__(self, cfg: Config, arch: ModelArch, layout: Layout, full_weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: Config, arch: ModelArch, layout: Layout, full_weights: Optional[dict[str, torch.Tensor]]):
+        """full_weights: full Megatron tensors (convert.layouts.hf_to_megatron); None keeps Megatron's
+        random initialisation (benchmarks)."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.cfg, self.arch, self.layout = cfg, arch, layout
         chunks = provider.build_model_chunks(arch, cfg, layout)
-        provider.load_full_weights(chunks, full_weights, arch, layout)
+        if full_weights is not None:
+            provider.load_full_weights(chunks, full_weights, arch, layout)
         self.model = provider.wrap_ddp(chunks, cfg)
         self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
         tf_config = chunks[0].config
@@ -153,7 +158,8 @@ class MegatronPolicy:
         """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch)
-        mbs = [collate(samples, g, self.layout.device) for g in groups]
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        mbs = [collate(samples, g, self.layout.device, multiple) for g in groups]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
