@@ -92,6 +92,10 @@ class RolloutConfig:
     """Sampling temperature (the paper trains at 1.0); logprobs are taken at this temperature."""
     top_p: float = 1.0
     """Nucleus sampling during training rollouts (1.0 in the paper; evaluation uses 0.7)."""
+    bucket_bytes: int = 1 << 30
+    """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
+    this many bytes: the memory a sync needs beyond the model is about one bucket plus the
+    largest tensor."""
 
 
 @dataclass
@@ -285,6 +289,7 @@ class Config:
             )
         _check(r.temperature > 0, "rollout.temperature", r.temperature, "a value > 0")
         _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
+        _check(r.bucket_bytes >= 1, "rollout.bucket_bytes", r.bucket_bytes, "an integer >= 1")
         _check(self.data.format in DATASET_FORMATS, "data.format", self.data.format, f"one of {DATASET_FORMATS}")
         _check(
             self.data.on_bad_row in BAD_ROW_POLICIES,

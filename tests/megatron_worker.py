@@ -7,6 +7,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - train: old logprobs (offset by the batch's fixed noise, so clipping happens), one
   train step, then this stage's TP-gathered gradients and updated weights and the metrics;
 - steps: --steps on-policy train steps; response logprobs before and after.
+- bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
+  memory the sync added (VmHWM reset before it, against VmRSS before it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("logprobs", "train", "steps"), default="train")
+    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge"), default="train")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
@@ -52,6 +54,12 @@ def main() -> None:
         for b in mine
     ]
     result: dict = {}
+    if args.mode == "bridge":
+        result.update(bridge(policy, cfg, arch, layout))
+        if layout.rank == 0:
+            torch.save(result, os.path.join(args.out, "rank0.pt"))
+        destroy_parallel()
+        return
     first = policy.compute_logprobs(samples, args.temperature)
     if args.mode == "logprobs":
         result["logprobs"] = first
@@ -75,6 +83,49 @@ def main() -> None:
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
     destroy_parallel()
+
+
+def _proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class _Collector:
+    """A rollout engine stand-in that keeps names and sizes only, so the bridge's own memory is measured."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.tensors, self.bucket_bytes = keep, {}, []
+
+    def update_weights(self, bucket) -> None:
+        self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        for name, t in bucket:
+            self.tensors[name] = t.clone() if self.keep else t.shape
+
+
+def bridge(policy, cfg, arch, layout) -> dict:
+    import gc
+
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    wb = WeightBridge(policy.model, arch, layout, bucket_bytes=cfg.rollout.bucket_bytes)
+    keep = os.environ.get("BRIDGE_KEEP", "1") == "1"
+    sink = _Collector(keep)
+    gc.collect()
+    rss_before = _proc_status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM, the peak resident set, to the current one
+    stats = wb.sync(sink)
+    peak = _proc_status_kb("VmHWM")
+    return {
+        "hf": sink.tensors,
+        "bucket_bytes": sink.bucket_bytes,
+        "sync": stats,
+        "peak_extra_bytes": (peak - rss_before) * 1024,
+        "model_bytes": sum(p.numel() * p.element_size() for m in policy.model for p in m.parameters()),
+    }
 
 
 if __name__ == "__main__":

@@ -67,6 +67,30 @@ def megatron_names(arch: ModelArch) -> list[str]:
     return names
 
 
+def megatron_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """The full (unpadded, TP-gathered) shape of a Megatron tensor, from the architecture alone."""
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (arch.vocab_size, h)
+    if name == "decoder.final_layernorm.weight":
+        return (h,)
+    suffix = (layer_of(name) or (None, ""))[1]
+    suffix = {te: local for local, te in TE_NORM_NAMES.items()}.get(suffix, suffix)
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "pre_mlp_layernorm.weight": (h,),
+        "self_attention.linear_qkv.weight": (q + 2 * kv, h),
+        "self_attention.linear_qkv.bias": (q + 2 * kv,),
+        "self_attention.linear_proj.weight": (h, q),
+        "mlp.linear_fc1.weight": (2 * arch.intermediate_size, h),
+        "mlp.linear_fc2.weight": (h, arch.intermediate_size),
+    }
+    if suffix not in shapes:
+        raise KeyError(f"unknown Megatron tensor '{name}'")
+    return shapes[suffix]
+
+
 # ---------------------------------------------------------------- QKV and gate/up
 
 

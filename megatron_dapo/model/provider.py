@@ -195,7 +195,7 @@ def _unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
-def _local_slots(chunks: list, arch: ModelArch) -> Iterator[_Slot]:
+def local_slots(chunks: list, arch: ModelArch) -> Iterator[_Slot]:
     """Every parameter of this rank with its full Megatron name (global layer, local-spec names)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -231,7 +231,7 @@ def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelAr
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for slot in _local_slots(chunks, arch):
+    for slot in local_slots(chunks, arch):
         if slot.full_name not in full:
             raise KeyError(f"no weights for Megatron parameter '{slot.full_name}'")
         src = tp_shard(slot.full_name, _pad_vocab(slot.full_name, full[slot.full_name], padded), tp_rank, layout.tp)
@@ -253,7 +253,7 @@ def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bo
 
     group = parallel_state.get_tensor_model_parallel_group()
     out = {}
-    for slot in _local_slots(chunks, arch):
+    for slot in local_slots(chunks, arch):
         t = slot.param.main_grad if grads else slot.param.data
         t = t.detach().float().contiguous()
         if tp_split_dim(slot.full_name) is not None and layout.tp > 1:

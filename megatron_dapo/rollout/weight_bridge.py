@@ -1,0 +1,114 @@
+"""Megatron shards -> full Hugging Face tensors for the rollout engine, streamed in buckets.
+
+Every rank walks the model's tensors in the same order. The pipeline stage that owns a
+tensor all-gathers it over its tensor-parallel group (regrouping fc1's gate/up halves,
+dropping vocabulary padding), then broadcasts it over the pipeline group, so every rank
+(and the vLLM worker colocated with it, which re-slices for its own tensor parallel) sees
+it. Megatron names become Hugging Face names (QKV split per query group, fc1 split into
+gate and up) and are packed into buckets of at most `bucket_bytes`. No rank ever holds
+more than one bucket plus the tensor in flight, never the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatron_to_hf, tp_split_dim, tp_unshard
+from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.parallel import Layout
+from megatron_dapo.model.provider import local_slots
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class WeightBridge:
+    """Streams a Megatron model (any TP/PP layout) as Hugging Face-named full tensors."""
+
+    def __init__(self, model_chunks: list, arch: ModelArch, layout: Layout, bucket_bytes: int = 1 << 30) -> None:
+        from megatron.core import parallel_state
+
+        self.arch, self.layout, self.bucket_bytes = arch, layout, bucket_bytes
+        self.params = {}
+        for slot in local_slots(model_chunks, arch):
+            self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
+        self.dtype = next(iter(self.params.values())).dtype
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        # Which pipeline rank owns each tensor: learnt once, by exchanging the names each stage holds.
+        held: list = [None] * layout.pp
+        if layout.pp > 1:
+            dist.all_gather_object(held, sorted(self.params), group=self.pp_group)
+        else:
+            held = [sorted(self.params)]
+        self.owner = {}
+        for rank, names in enumerate(held):
+            for name in names:
+                self.owner.setdefault(name, rank)
+        missing = [n for n in megatron_names(arch) if n not in self.owner]
+        if missing:
+            raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        self.last_sync: dict[str, float] = {}
+
+    def _full_tensor(self, name: str) -> torch.Tensor:
+        """The full Megatron tensor on every rank (collective over the TP and PP groups)."""
+        if self.owner[name] == self.pp_rank:
+            t = self.params[name].detach().contiguous()  # gloo sends non-contiguous views wrong
+            if tp_split_dim(name) is not None and self.layout.tp > 1:
+                shards = [torch.empty_like(t) for _ in range(self.layout.tp)]
+                dist.all_gather(shards, t, group=self.tp_group)
+                t = tp_unshard(name, shards)
+                del shards
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                t = t[: self.arch.vocab_size]
+            t = t.contiguous()
+        else:
+            t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtype, device=self.layout.device)
+        if self.layout.pp > 1:
+            dist.broadcast(t, src=self.pp_ranks[self.owner[name]], group=self.pp_group)
+        return t
+
+    def buckets(self) -> Iterator[Bucket]:
+        """Hugging Face (name, tensor) buckets of at most bucket_bytes each; collective: every rank must iterate."""
+        bucket: Bucket = []
+        size = 0
+        for name in megatron_names(self.arch):
+            full = self._full_tensor(name)
+            for hf_name, t in megatron_to_hf(name, full, self.arch):
+                nbytes = t.numel() * t.element_size()
+                if nbytes > self.bucket_bytes:
+                    raise ValueError(
+                        f"weight bridge: tensor '{hf_name}' ({nbytes} bytes) is larger than one bucket "
+                        f"(rollout.bucket_bytes={self.bucket_bytes}); raise rollout.bucket_bytes"
+                    )
+                if size + nbytes > self.bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((hf_name, t.contiguous()))
+                size += nbytes
+            del full
+        if bucket:
+            yield bucket
+
+    def sync(self, engine) -> dict[str, float]:
+        """Stream every bucket into engine.update_weights; returns seconds, GB and GB/s of this sync."""
+        t0 = time.perf_counter()
+        total = 0
+        buckets = 0
+        for bucket in self.buckets():
+            engine.update_weights(bucket)
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            buckets += 1
+        seconds = time.perf_counter() - t0
+        self.last_sync = {
+            "weight_sync/seconds": seconds,
+            "weight_sync/gb": total / 1e9,
+            "weight_sync/gb_per_s": total / 1e9 / seconds if seconds > 0 else 0.0,
+            "weight_sync/buckets": float(buckets),
+        }
+        return self.last_sync
