@@ -221,6 +221,9 @@ class TrainConfig:
     max_tokens_per_microbatch: int = 16384
     """Token budget of a micro-batch (padded prompt + response tokens per sequence, summed):
     sequences are packed into micro-batches under it, so long and short responses balance."""
+    packed_sequences: bool = True
+    """With Transformer Engine (GPU), pack each micro-batch's sequences into one row (THD
+    format, no padding, the budget counts real tokens); otherwise rows are right-padded."""
 
 
 @dataclass

@@ -104,6 +104,9 @@ class _Collector:
         for name, t in bucket:
             self.tensors[name] = t.clone() if self.keep else t.shape
 
+    def finish_weight_update(self) -> None:
+        pass
+
 
 def bridge(policy, cfg, arch, layout) -> dict:
     import gc

@@ -16,7 +16,7 @@ from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from megatron_dapo.model.arch import ArchError, ModelArch
 from megatron_dapo.model.parallel import LayoutError, check_layout
-from megatron_dapo.model.policy import pack_microbatches
+from megatron_dapo.model.policy import TrainSample, collate, pack_microbatches
 
 VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not count
 
@@ -99,6 +99,50 @@ def test_pack_microbatches_respects_the_token_budget():
     assert pack_microbatches([10] * 8, 80) == [list(range(8))]
     assert [len(g) for g in pack_microbatches([10] * 8, 40)] == [4, 4]
     assert pack_microbatches([], 10) == []
+    # packed rows count real tokens: first-fit decreasing
+    assert pack_microbatches([5, 3, 3, 2], 8, packed=True) == [[0, 1], [2, 3]]
+    for g in pack_microbatches(lengths, 100, packed=True):
+        assert sum(lengths[i] for i in g) <= 100 or len(g) == 1
+
+
+def test_padded_and_packed_layouts_hold_the_same_tokens():
+    """The THD layout (Transformer Engine) against the padded one: same targets, advantages and masks per sample."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for k in range(5):
+        p, r = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        samples.append(
+            TrainSample(
+                prompt_ids=torch.randint(1, 50, (p,), generator=g).tolist(),
+                response_ids=torch.randint(1, 50, (r,), generator=g).tolist(),
+                advantage=float(k) - 2,
+                old_logp=torch.randn(r, generator=g),
+                in_loss=k != 3,
+            )
+        )
+    idx = [4, 0, 2, 3, 1]
+    padded = collate(samples, idx, torch.device("cpu"), multiple=4)
+    packed = collate(samples, idx, torch.device("cpu"), multiple=4, packed=True)
+    assert packed.tokens.shape[0] == 1 and packed.tokens.shape[1] % 4 == 0 and padded.tokens.shape[1] % 4 == 0
+    total = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    cu = packed.packed_seq_params.cu_seqlens_q.tolist()
+    assert cu[:6] == [0] + [
+        sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx[:k]) for k in range(1, 6)
+    ]
+    assert cu[-1] == packed.tokens.shape[1] and (len(cu) == 6) == (total % 4 == 0)
+    for layout in (padded, packed):
+        assert [sp[0] for sp in layout.spans] == idx
+        assert int(layout.response_mask.sum()) == sum(len(s.response_ids) for s in samples)
+        for i, row, start, end in layout.spans:
+            s = samples[i]
+            assert layout.targets[row, start:end].tolist() == s.response_ids
+            assert layout.tokens[row, start + 1 - len(s.prompt_ids) : start + 1].tolist() == s.prompt_ids
+            assert torch.equal(layout.old_logp[row, start:end], s.old_logp)
+            assert (layout.advantages[row, start:end] == s.advantage).all()
+            assert bool(layout.loss_mask[row, start:end].all()) == s.in_loss
+            assert layout.position_ids[row, start] == len(s.prompt_ids) - 1  # positions restart per sequence
+        # no target crosses into the next sequence: outside the spans nothing is masked in
+        assert not (layout.loss_mask & ~layout.response_mask).any()
 
 
 def arch_of(heads=4, kv=2, layers=2, **kw) -> ModelArch:

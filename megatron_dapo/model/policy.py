@@ -14,7 +14,7 @@ the global token-mean.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -47,74 +47,114 @@ class TrainSample:
 
 @dataclass
 class MicroBatch:
-    """Right-padded sequences; per-token tensors sit at the position that predicts the token."""
+    """Sequences laid out in rows; per-token tensors sit at the position that predicts the token.
 
-    indices: list[int]
+    Padded layout: one row per sequence, right-padded. Packed (THD, Transformer Engine): one
+    row holding every sequence back to back, with cumulative lengths in packed_seq_params.
+    """
+
+    spans: list[tuple[int, int, int, int]]
+    """Per sample: (sample index, row, start, end): positions [start, end) of `row` predict its response."""
     tokens: torch.Tensor  # [b, L] long
     position_ids: torch.Tensor  # [b, L] long
-    targets: torch.Tensor  # [b, L] long: tokens shifted left by one
+    targets: torch.Tensor  # [b, L] long: the next token within the same sequence
     response_mask: torch.Tensor  # [b, L] bool: positions predicting a response token
     loss_mask: torch.Tensor  # [b, L] bool: response_mask and the sample is in the loss
     advantages: torch.Tensor  # [b, L] float32
     old_logp: Optional[torch.Tensor] = None  # [b, L] float32
     rollout_logp: Optional[torch.Tensor] = None  # [b, L] float32
-    extras: dict[str, Any] = field(default_factory=dict)
+    packed_seq_params: Any = None
+    """megatron.core PackedSeqParams (qkv_format 'thd') for the packed layout, else None."""
 
 
-def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices so each micro-batch's padded size (count x longest) fits max_tokens.
+def pack_microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Group sequence indices into micro-batches whose size fits max_tokens.
 
-    Longest first, filled greedily; a sequence longer than the budget gets a micro-batch of
-    its own. Deterministic. lengths: tokens per sequence (prompt + response).
+    Size: count x longest (padded layout) or the sum of lengths (packed). First-fit in
+    decreasing length order; a sequence longer than the budget gets a micro-batch of its own.
+    Deterministic. lengths: tokens per sequence (prompt + response).
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
+    used: list[int] = []  # tokens of each batch so far (packed) or its count (padded)
     for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
+        for b, batch in enumerate(batches):
+            size = used[b] + lengths[i] if packed else (used[b] + 1) * lengths[batch[0]]
+            if size <= max_tokens:
+                batch.append(i)
+                used[b] = used[b] + lengths[i] if packed else used[b] + 1
+                break
         else:
             batches.append([i])
+            used.append(lengths[i] if packed else 1)
     return batches
 
 
-def collate(samples: list[TrainSample], indices: list[int], device: torch.device, multiple: int = 1) -> MicroBatch:
-    """Right-pad samples[indices] to their longest, rounded up to `multiple` (tp under sequence parallel)."""
+def collate(
+    samples: list[TrainSample], indices: list[int], device: torch.device, multiple: int = 1, packed: bool = False
+) -> MicroBatch:
+    """Lay out samples[indices]; row lengths are rounded up to `multiple` (tp under sequence parallel)."""
     seqs = [samples[i] for i in indices]
-    length = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
-    length = -(-length // multiple) * multiple
-    b = len(seqs)
-    tokens = torch.zeros(b, length, dtype=torch.long)
-    response_mask = torch.zeros(b, length, dtype=torch.bool)
-    in_loss = torch.zeros(b, 1, dtype=torch.bool)
-    advantages = torch.zeros(b, length)
-    have_old = all(s.old_logp is not None for s in seqs)
-    have_rollout = all(s.rollout_logp is not None for s in seqs)
-    old_logp = torch.zeros(b, length) if have_old else None
-    rollout_logp = torch.zeros(b, length) if have_rollout else None
-    for row, s in enumerate(seqs):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        span = slice(p - 1, p + r - 1)  # position t predicts token t + 1
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in seqs]
+    if packed:
+        starts = [sum(lengths[:k]) for k in range(len(seqs))]
+        rows, width = [0] * len(seqs), sum(lengths)
+    else:
+        starts, rows, width = [0] * len(seqs), list(range(len(seqs))), max(lengths)
+    width = -(-width // multiple) * multiple
+    b = 1 if packed else len(seqs)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    targets = torch.zeros(b, width, dtype=torch.long)
+    position_ids = torch.zeros(b, width, dtype=torch.long)
+    response_mask = torch.zeros(b, width, dtype=torch.bool)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    advantages = torch.zeros(b, width)
+    old_logp = torch.zeros(b, width) if all(s.old_logp is not None for s in seqs) else None
+    rollout_logp = torch.zeros(b, width) if all(s.rollout_logp is not None for s in seqs) else None
+    spans = []
+    for k, s in enumerate(seqs):
+        row, st, p, r = rows[k], starts[k], len(s.prompt_ids), len(s.response_ids)
+        ids = torch.tensor(s.prompt_ids + s.response_ids)
+        tokens[row, st : st + p + r] = ids
+        targets[row, st : st + p + r - 1] = ids[1:]
+        position_ids[row, st : st + p + r] = torch.arange(p + r)
+        span = slice(st + p - 1, st + p + r - 1)  # position t predicts token t + 1
         response_mask[row, span] = True
+        loss_mask[row, span] = s.in_loss
         advantages[row, span] = s.advantage
-        in_loss[row] = s.in_loss
         if old_logp is not None:
             old_logp[row, span] = s.old_logp.float()
         if rollout_logp is not None:
             rollout_logp[row, span] = s.rollout_logp.float()
-    targets = torch.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
+        spans.append((indices[k], row, span.start, span.stop))
     to = partial(torch.Tensor.to, device=device)
     return MicroBatch(
-        indices=list(indices),
+        spans=spans,
         tokens=to(tokens),
-        position_ids=to(torch.arange(length).expand(b, length).contiguous()),
+        position_ids=to(position_ids),
         targets=to(targets),
         response_mask=to(response_mask),
-        loss_mask=to(response_mask & in_loss),
+        loss_mask=to(loss_mask),
         advantages=to(advantages),
         old_logp=None if old_logp is None else to(old_logp),
         rollout_logp=None if rollout_logp is None else to(rollout_logp),
+        packed_seq_params=_thd_params(lengths, width, device) if packed else None,
+    )
+
+
+def _thd_params(lengths: list[int], width: int, device: torch.device):
+    """Cumulative sequence lengths for Transformer Engine's THD attention; row padding is one more segment."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    if width > bounds[-1]:
+        bounds.append(width)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
 
 
@@ -139,6 +179,8 @@ class MegatronPolicy:
         # The loss is already divided by the global token count: finalize must not rescale by it.
         tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
         self._forward_backward = get_forward_backward_func()
+        # THD packing needs Transformer Engine's attention; the local spec gets padded rows.
+        self.packed = cfg.train.packed_sequences and layout.use_te
         self.optimizer_steps = 0
 
     # ---------------------------------------------------------------- helpers
@@ -157,15 +199,18 @@ class MegatronPolicy:
     def _run(self, samples: list[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
         """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch)
+        packed = self.packed
+        groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch, packed)
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
-        mbs = [collate(samples, g, self.layout.device, multiple) for g in groups]
+        mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens, mb.position_ids, attention_mask=None)
+            output = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return output, partial(loss_fn, mb)
 
+        if not mbs:
+            return []
         iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
         return self._forward_backward(
             forward_step_func=forward_step,
@@ -198,12 +243,7 @@ class MegatronPolicy:
             return (
                 torch.zeros((), device=logits.device),
                 torch.zeros((), dtype=torch.int),
-                {
-                    "indices": mb.indices,
-                    "logp": logp.cpu(),
-                    "entropy": entropy.cpu(),
-                    "mask": mb.response_mask.cpu(),
-                },
+                {"spans": mb.spans, "logp": logp.cpu(), "entropy": entropy.cpu()},
             )
 
         outputs = self._run(samples, loss_fn, forward_only=True)
@@ -213,9 +253,8 @@ class MegatronPolicy:
             return None
         result: list[Optional[dict[str, torch.Tensor]]] = [None] * len(samples)
         for out in outputs:
-            for row, i in enumerate(out["indices"]):
-                mask = out["mask"][row]
-                result[i] = {"logp": out["logp"][row][mask], "entropy": out["entropy"][row][mask]}
+            for i, row, start, end in out["spans"]:
+                result[i] = {"logp": out["logp"][row, start:end], "entropy": out["entropy"][row, start:end]}
         return result  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- train step

@@ -104,6 +104,7 @@ class WeightBridge:
             engine.update_weights(bucket)
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             buckets += 1
+        engine.finish_weight_update()  # an incomplete update fails here, not at the next generate()
         seconds = time.perf_counter() - t0
         self.last_sync = {
             "weight_sync/seconds": seconds,
