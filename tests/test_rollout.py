@@ -1,0 +1,325 @@
+"""The vLLM rollout engine on CPU against independent references: Hugging Face transformers on the same weights.
+
+One engine serves the whole module (vLLM start-up is the slow part); a test that changes its weights puts the
+original ones back before it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rollout_helpers import build_tiny_qwen2, hf_greedy, hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
+
+from megatron_dapo.data.types import Response  # noqa: E402
+from megatron_dapo.rollout import RolloutEngine, VLLMEngine  # noqa: E402
+
+ATOL = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return load_hf_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    torch.manual_seed(1234)
+    rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
+    eng = VLLMEngine(str(model_dir), dtype="float32", max_model_len=256, seed=0)
+    # the in-process engine reseeds the global RNGs and stubs out torch.set_num_threads: undone by the engine
+    assert torch.equal(torch.random.get_rng_state(), rng) and torch.set_num_threads is set_num_threads
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    texts = ["What is 12 + 30?", "Compute 7 * 6.", "The sum of the first ten positive integers"]
+    chat = tok.apply_chat_template([{"role": "user", "content": texts[0]}], add_generation_prompt=True, tokenize=False)
+    return [tok(chat)["input_ids"]] + [tok(t)["input_ids"] for t in texts[1:]]
+
+
+def greedy(engine, prompts, max_tokens=12, **kw):
+    return engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, **kw)
+
+
+def assert_logprobs_match(model, prompt, resp: Response, temperature: float) -> None:
+    ref = hf_logprobs(model, prompt, resp.token_ids, temperature)
+    torch.testing.assert_close(torch.tensor(resp.logprobs), ref, atol=ATOL, rtol=0)
+
+
+def test_engine_satisfies_the_interface(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_greedy_matches_transformers_generate(engine, hf_model, tok, prompts):
+    out = greedy(engine, prompts)
+    assert [len(rs) for rs in out] == [1, 1, 1]
+    for prompt, (resp,) in zip(prompts, out):
+        assert resp.token_ids == hf_greedy(hf_model, prompt, 12, tok.eos_token_id)
+        assert resp.text == tok.decode(resp.token_ids, skip_special_tokens=True)
+        assert_logprobs_match(hf_model, prompt, resp, temperature=1.0)  # greedy: log_softmax of the raw logits
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_are_the_temperature_scaled_distribution(engine, hf_model, prompts, temperature):
+    out = engine.generate(prompts, n=2, temperature=temperature, top_p=1.0, max_tokens=16, seed=7)
+    for prompt, rs in zip(prompts, out):
+        for resp in rs:
+            assert len(resp.logprobs) == len(resp.token_ids)
+            assert_logprobs_match(hf_model, prompt, resp, temperature)
+    if temperature != 1.0:  # processed (post-temperature) logprobs, not vLLM's default raw ones
+        resp = out[0][0]
+        raw = hf_logprobs(hf_model, prompts[0], resp.token_ids, 1.0)
+        assert (torch.tensor(resp.logprobs) - raw).abs().max() > 1e-2
+
+
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, hf_model, prompts):
+    top_p, temperature = 0.5, 0.8
+    (resp,) = engine.generate(prompts[:1], n=1, temperature=temperature, top_p=top_p, max_tokens=8, seed=3)[0]
+    ids = torch.tensor([prompts[0] + resp.token_ids])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompts[0]) - 1 : -1] / temperature
+    for k, tok_id in enumerate(resp.token_ids):
+        probs = logits[k].softmax(-1)
+        sorted_p, order = probs.sort(descending=True)
+        keep = order[(sorted_p.cumsum(0) - sorted_p) < top_p]  # the smallest prefix with mass >= top_p
+        assert tok_id in keep.tolist()
+        ref = (probs[tok_id] / probs[keep].sum()).log()
+        assert abs(resp.logprobs[k] - ref.item()) < ATOL
+
+
+def test_n_samples_per_prompt_in_prompt_order(engine, prompts):
+    n = 4
+    out = engine.generate(prompts, n=n, temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
+    assert [len(rs) for rs in out] == [n] * len(prompts)
+    assert all(len({tuple(r.token_ids) for r in rs}) > 1 for rs in out)  # distinct samples, not copies
+    again = engine.generate(prompts, n=n, temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
+    assert [[r.token_ids for r in rs] for rs in again] == [[r.token_ids for r in rs] for rs in out]
+    other = engine.generate(prompts, n=n, temperature=1.0, top_p=1.0, max_tokens=10, seed=12)
+    assert [[r.token_ids for r in rs] for rs in other] != [[r.token_ids for r in rs] for rs in out]
+    # unseeded calls continue the engine's own random stream and leave the trainer's global RNG alone
+    trainer_rng = torch.random.get_rng_state()
+    a, b = (engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=10) for _ in range(2))
+    assert torch.equal(torch.random.get_rng_state(), trainer_rng)
+    assert [[r.token_ids for r in rs] for rs in a] != [[r.token_ids for r in rs] for rs in b]
+    # output i belongs to prompt i: each prompt alone gives the same greedy continuation as in the batch
+    batch = greedy(engine, prompts[::-1])
+    for i, prompt in enumerate(prompts[::-1]):
+        assert greedy(engine, [prompt])[0][0].token_ids == batch[i][0].token_ids
+
+
+def test_truncated_exactly_when_the_length_limit_ends_a_response(engine, tok, prompts):
+    (cut,) = greedy(engine, prompts[:1], max_tokens=6)[0]
+    assert cut.truncated and len(cut.token_ids) == 6
+    stop = cut.token_ids[2]  # the greedy path emits it at step 3: stopping on it ends the response early
+    (stopped,) = greedy(engine, prompts[:1], max_tokens=6, stop_token_ids=[stop])[0]
+    first = cut.token_ids.index(stop)
+    assert not stopped.truncated
+    assert stopped.token_ids == cut.token_ids[: first + 1]  # the stop token is kept (the policy learns to emit it)
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+    # sampled: truncated <=> at the limit without having emitted EOS or a stop token
+    stops = {tok.eos_token_id, *cut.token_ids[:3]}
+    out = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=8, stop_token_ids=sorted(stops))
+    flags = []
+    for resp in (r for rs in out for r in rs):
+        ended_by_stop = resp.token_ids[-1] in stops
+        assert not any(t in stops for t in resp.token_ids[:-1])
+        assert resp.truncated == (len(resp.token_ids) == 8 and not ended_by_stop)
+        flags.append(resp.truncated)
+    assert not all(flags)
+
+
+def test_update_weights_changes_generation_to_the_new_policy(engine, hf_model, model_dir, tok, prompts):
+    before = greedy(engine, prompts)
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    new = perturbed_state_dict(hf_model)
+    new_model = load_hf_model(model_dir, new)
+    items = list(new.items())
+    try:
+        for start in range(0, len(items), 10):  # bucket by bucket, as the weight bridge streams them
+            engine.update_weights(items[start : start + 10])
+        engine.finish_weight_update()  # already applied when the last tensor arrived: a no-op
+        after = greedy(engine, prompts)
+        assert [r[0].token_ids for r in after] != [r[0].token_ids for r in before]
+        for prompt, (resp,) in zip(prompts, after):
+            assert resp.token_ids == hf_greedy(new_model, prompt, 12, tok.eos_token_id)
+        sampled = engine.generate(prompts, n=2, temperature=0.7, top_p=1.0, max_tokens=12, seed=5)
+        for prompt, rs in zip(prompts, sampled):
+            for resp in rs:
+                assert_logprobs_match(new_model, prompt, resp, 0.7)
+    finally:
+        engine.update_weights(original.items())
+    restored = greedy(engine, prompts)
+    assert [r[0].token_ids for r in restored] == [r[0].token_ids for r in before]
+    assert engine.stats["weight_updates"] >= 2
+
+
+def test_incomplete_or_bad_weight_updates_leave_the_engine_intact(engine, hf_model, prompts):
+    before = [r[0].token_ids for r in greedy(engine, prompts)]
+    new = perturbed_state_dict(hf_model)
+    dropped = "model.layers.0.self_attn.k_proj.weight"
+    engine.update_weights((k, v) for k, v in new.items() if k != dropped)
+    with pytest.raises(RuntimeError, match=r"incomplete.*1 tensors missing.*k_proj.*keeps its previous weights"):
+        engine.finish_weight_update()
+    assert [r[0].token_ids for r in greedy(engine, prompts)] == before
+    # an incomplete stream followed by generate(): the same error, and generation is still the old policy
+    engine.update_weights(list(new.items())[:5])
+    with pytest.raises(RuntimeError, match="incomplete when generate"):
+        greedy(engine, prompts)
+    assert [r[0].token_ids for r in greedy(engine, prompts)] == before
+    # an unknown name or a wrong shape is rejected before anything is loaded
+    with pytest.raises(ValueError, match="unknown tensors.*not_a_weight"):
+        engine.update_weights([("model.not_a_weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="shape mismatches.*embed_tokens"):
+        engine.update_weights([("model.embed_tokens.weight", torch.zeros(7, 128))])
+    assert [r[0].token_ids for r in greedy(engine, prompts)] == before
+
+
+def test_a_failed_sample_is_retried_once_then_raises(engine, prompts, monkeypatch):
+    real = engine.llm.generate
+    calls = []
+
+    def abort_first_sample(times):
+        def fake(*args, **kwargs):
+            outs = real(*args, **kwargs)
+            calls.append(len(outs))
+            if len(calls) <= times:
+                outs[0].outputs[0] = dataclasses.replace(outs[0].outputs[0], finish_reason="abort")
+            return outs
+
+        return fake
+
+    stats0 = dict(engine.stats)
+    monkeypatch.setattr(engine.llm, "generate", abort_first_sample(1))
+    out = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seed=1)
+    assert [len(rs) for rs in out] == [2, 2, 2] and calls == [3, 1]  # only the failed prompt went again
+    assert engine.stats["retries"] == stats0["retries"] + 1
+    calls.clear()
+    monkeypatch.setattr(engine.llm, "generate", abort_first_sample(2))
+    with pytest.raises(RuntimeError, match="1 of 1 retried samples failed again"):
+        engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seed=1)
+    assert engine.stats["failures"] == stats0["failures"] + 1
+    assert engine.stats["requests"] == stats0["requests"] + 12
+    assert engine.stats["generated_tokens"] > stats0["generated_tokens"] and engine.stats["tokens_per_s"] > 0
+
+
+def test_an_engine_that_dies_is_reported_with_its_model_path(engine, prompts, monkeypatch):
+    def die(*args, **kwargs):
+        raise RuntimeError("EngineCore died")
+
+    monkeypatch.setattr(engine.llm, "generate", die)
+    with pytest.raises(RuntimeError, match=f"{re.escape(engine.model_path)}.*failed during generate: EngineCore died"):
+        greedy(engine, prompts)
+    with pytest.raises(RuntimeError, match="unusable"):  # no later call pretends it still works
+        greedy(engine, prompts)
+    engine._broken = None  # the real engine is fine: give it back to the other tests
+
+
+def test_sleep_and_wake_are_no_ops_on_cpu(engine, prompts):
+    before = greedy(engine, prompts)
+    engine.sleep()
+    engine.wake()
+    assert [r[0].token_ids for r in greedy(engine, prompts)] == [r[0].token_ids for r in before]
+    with pytest.raises(ValueError, match="sleep mode"):
+        VLLMEngine("unused", enable_sleep_mode=True)
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(RuntimeError, match=f"cannot start.*{re.escape(missing)}"):
+        VLLMEngine(missing)
+    with pytest.raises(RuntimeError, match=f"failed to start for model {re.escape(repr(str(tmp_path)))}"):
+        VLLMEngine(str(tmp_path))  # a directory without a model
+
+
+def test_bad_arguments_are_rejected(engine, prompts):
+    with pytest.raises(ValueError, match="n=0"):
+        engine.generate(prompts, n=0, temperature=1.0, top_p=1.0, max_tokens=4)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(prompts, n=1, temperature=1.0, top_p=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1] * 300], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+
+
+def test_from_config_maps_the_trainer_config(monkeypatch):
+    from megatron_dapo.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, **kw: seen.update(kw))
+    cfg = load_config(None, ["model.hf_path=/models/qwen", "model.dtype=bf16", "seed=3"])
+    VLLMEngine.from_config(cfg, gpu_memory_utilization=0.4)
+    assert seen["model_path"] == "/models/qwen" and seen["dtype"] == "bf16" and seen["seed"] == 3
+    assert seen["max_model_len"] == cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    assert seen["gpu_memory_utilization"] == 0.4
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM on the GPU code path (which cannot run here): records what the engine asks of it."""
+
+    def __init__(self):
+        self.calls, self.loaded = [], []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, fn, args=()):
+        model = type("M", (), {"load_weights": lambda _, weights: self.loaded.extend(n for n, _ in weights)})()
+        runner = type("R", (), {"get_model": lambda _: model})()
+        fn(type("W", (), {"model_runner": runner})(), *args)
+        self.calls.append(("load", len(args[0])))
+
+
+def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model, prompts, monkeypatch):
+    import megatron_dapo.rollout.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "_has_cuda", lambda: True)
+    monkeypatch.setattr(ve.VLLMEngine, "_start", lambda self, **kw: FakeLLM())
+    eng = ve.VLLMEngine(str(model_dir))
+    assert eng.enable_sleep_mode and eng.on_gpu
+    items = list(hf_model.state_dict().items())
+    eng.sleep()
+    eng.update_weights(items[:10])  # loaded at once (GPU): the weights wake first, the KV cache stays asleep
+    eng.update_weights(items[10:])  # the last tensor arrived: the update completes by itself
+    eng.wake()
+    assert eng.llm.calls == [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("load", 10),
+        ("load", len(items) - 10),
+        ("reset_prefix_cache",),
+        ("wake_up", ["kv_cache"]),
+    ]
+    assert sorted(eng.llm.loaded) == sorted(n for n, _ in items)
+    # an update that stops half-way leaves mixed weights on a GPU: generation is refused until a full one
+    eng.update_weights(items[:5])
+    with pytest.raises(RuntimeError, match="mixed weights"):
+        eng.finish_weight_update()
+    with pytest.raises(RuntimeError, match="half-way"):
+        eng.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    eng.update_weights(items)
+    eng._check_ready()  # a full update makes it usable again
