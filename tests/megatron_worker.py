@@ -9,6 +9,9 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
   memory the sync added (VmHWM reset before it, against VmRSS before it).
+- vllm: a vLLM engine (a child process of rank 0, serving --case's HF checkpoint) generates,
+  the policy takes one train step, the bridge syncs the new weights into the engine, the
+  engine generates again; the policy then scores the engine's responses.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge"), default="train")
+    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge", "vllm"), default="train")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
@@ -58,6 +61,12 @@ def main() -> None:
         result.update(bridge(policy, cfg, arch, layout))
         if layout.rank == 0:
             torch.save(result, os.path.join(args.out, "rank0.pt"))
+        destroy_parallel()
+        return
+    if args.mode == "vllm":
+        result.update(vllm_sync(policy, samples, cfg, arch, layout, args.case))
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and result.get("megatron") is not None:
+            torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
         destroy_parallel()
         return
     first = policy.compute_logprobs(samples, args.temperature)
@@ -128,6 +137,103 @@ def bridge(policy, cfg, arch, layout) -> dict:
         "sync": stats,
         "peak_extra_bytes": (peak - rss_before) * 1024,
         "model_bytes": sum(p.numel() * p.element_size() for m in policy.model for p in m.parameters()),
+    }
+
+
+def _vllm_server(conn, model_dir: str) -> None:
+    """A vLLM engine in its own process: ('generate', kwargs) / ('update', bucket) / ('finish',) / ('stop',)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)  # not part of the trainer's torch.distributed world
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "generate":
+            conn.send(engine.generate(**msg[1]))
+        elif msg[0] == "update":
+            engine.update_weights(msg[1])
+            conn.send("ok")
+        elif msg[0] == "finish":
+            engine.finish_weight_update()
+            conn.send("ok")
+        else:
+            break
+
+
+class _RemoteEngine:
+    """The bridge's view of the engine process; only rank 0 talks to it, the other ranks just stream."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def update_weights(self, bucket) -> None:
+        if self.conn is not None:
+            self.conn.send(("update", [(n, t.clone()) for n, t in bucket]))
+            assert self.conn.recv() == "ok"
+
+    def finish_weight_update(self) -> None:
+        if self.conn is not None:
+            self.conn.send(("finish",))
+            assert self.conn.recv() == "ok"
+
+    def generate(self, **kwargs):
+        self.conn.send(("generate", kwargs))
+        return self.conn.recv()
+
+
+def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    conn = proc = None
+    if layout.rank == 0:
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_vllm_server, args=(child, model_dir), daemon=True)
+        proc.start()
+        assert conn.recv() == "ready"
+    engine = _RemoteEngine(conn)
+    prompts = [s.prompt_ids for s in samples]
+    greedy = dict(prompts=prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=12)
+    sampled = dict(prompts=prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=7)
+    before = engine.generate(**greedy) if conn else None
+    for s in samples:  # a big on-policy step: positive advantages on the batch's own responses
+        s.advantage, s.in_loss = 1.0, True
+    first = policy.compute_logprobs(samples, 1.0)
+    if first is not None:
+        for s, lp in zip(samples, first):
+            s.old_logp = lp["logp"]
+    metrics = policy.train_step(samples, 1.0)
+    sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
+    after = engine.generate(**greedy) if conn else None
+    drawn = engine.generate(**sampled) if conn else None
+    shared = [before, after, drawn]
+    dist.broadcast_object_list(shared, src=0)
+    before, after, drawn = shared
+    if conn is not None:
+        conn.send(("stop",))
+        proc.join(timeout=30)
+    # the policy (new weights) scores what the engine generated after the sync
+    from megatron_dapo.model.policy import TrainSample
+
+    scored = [
+        TrainSample(prompt_ids=p, response_ids=r.token_ids)
+        for group, p in zip(after + drawn, prompts + prompts)
+        for r in group
+    ]
+    megatron = policy.compute_logprobs(scored, 1.0)
+    return {
+        "before": [[r.token_ids for r in g] for g in before],
+        "after": [[r.token_ids for r in g] for g in after],
+        "vllm_logp": [torch.tensor(r.logprobs) for g in after + drawn for r in g],
+        "megatron": None if megatron is None else [x["logp"] for x in megatron],
+        "metrics": metrics,
+        "sync": sync,
     }
 
 
