@@ -6,3 +6,7 @@ import os
 # module defining a kernel is imported. Set for the whole session (and the torchrun workers
 # it starts), so `algorithm.loss_impl=auto` exercises the fused kernel on CPU too.
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: over a minute; still part of `make test`")

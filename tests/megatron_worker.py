@@ -9,6 +9,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
   memory the sync added (VmHWM reset before it, against VmRSS before it).
+- serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
+  through the bridge, then generates greedily (no training).
 - vllm: a vLLM engine (a child process of rank 0, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
@@ -26,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge", "vllm"), default="train")
+    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve"), default="train")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
@@ -63,8 +65,9 @@ def main() -> None:
             torch.save(result, os.path.join(args.out, "rank0.pt"))
         destroy_parallel()
         return
-    if args.mode == "vllm":
-        result.update(vllm_sync(policy, samples, cfg, arch, layout, args.case))
+    if args.mode in ("vllm", "serve"):
+        run = vllm_sync if args.mode == "vllm" else vllm_serve
+        result.update(run(policy, samples, cfg, arch, layout, args.case))
         if parallel_state.get_tensor_model_parallel_rank() == 0 and result.get("megatron") is not None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
         destroy_parallel()
@@ -140,13 +143,13 @@ def bridge(policy, cfg, arch, layout) -> dict:
     }
 
 
-def _vllm_server(conn, model_dir: str) -> None:
+def _vllm_server(conn, model_dir: str, load_format: str = "auto") -> None:
     """A vLLM engine in its own process: ('generate', kwargs) / ('update', bucket) / ('finish',) / ('stop',)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)  # not part of the trainer's torch.distributed world
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0)
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -183,21 +186,46 @@ class _RemoteEngine:
         return self.conn.recv()
 
 
-def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
+def _start_engine(layout, model_dir: str, load_format: str = "auto"):
+    """Rank 0 starts the engine process; every rank gets a handle (only rank 0's talks)."""
     import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     conn = proc = None
     if layout.rank == 0:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_vllm_server, args=(child, model_dir), daemon=True)
+        proc = ctx.Process(target=_vllm_server, args=(child, model_dir, load_format), daemon=True)
         proc.start()
         assert conn.recv() == "ready"
-    engine = _RemoteEngine(conn)
+    return _RemoteEngine(conn), proc
+
+
+def vllm_serve(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    engine, proc = _start_engine(layout, model_dir, load_format="dummy")
+    sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
+    greedy = None
+    if engine.conn is not None:
+        greedy = engine.generate(
+            prompts=[s.prompt_ids for s in samples], n=1, temperature=0.0, top_p=1.0, max_tokens=16
+        )
+        engine.conn.send(("stop",))
+        proc.join(timeout=30)
+    shared = [greedy]
+    dist.broadcast_object_list(shared, src=0)
+    return {"greedy": [g[0].token_ids for g in shared[0]], "sync": sync, "megatron": "last stage"}
+
+
+def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    engine, proc = _start_engine(layout, model_dir)
+    conn = engine.conn
     prompts = [s.prompt_ids for s in samples]
     greedy = dict(prompts=prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=12)
     sampled = dict(prompts=prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=7)

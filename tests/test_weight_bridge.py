@@ -13,8 +13,9 @@ from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
         ("qwen2", False, 1, []),
         ("qwen2", False, 2, ["parallel.tp=2"]),
         ("llama", True, 2, ["parallel.pp=2"]),
+        ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 matrices next to fp32 norms
     ],
-    ids=["tp1", "tp2", "pp2-tied"],
+    ids=["tp1", "tp2", "pp2-tied", "pp2-bf16"],
 )
 def test_bridge_streams_the_hf_state_dict(tmp_path, family, tied, nproc, overrides):
     model = tiny_hf_model(family, seed=9, vocab_size=250, tied=tied)
@@ -24,9 +25,10 @@ def test_bridge_streams_the_hf_state_dict(tmp_path, family, tied, nproc, overrid
     want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert got["hf"].keys() == want.keys()
     for name, t in want.items():
-        assert torch.equal(got["hf"][name], t), name  # fp32 end to end: bit-exact
-    assert max(got["bucket_bytes"]) <= bucket and len(got["bucket_bytes"]) > 5
-    assert sum(got["bucket_bytes"]) == sum(t.numel() * 4 for t in want.values())
+        g = got["hf"][name]
+        assert torch.equal(g, t.to(g.dtype)), name  # bit-exact at the precision the model holds
+    assert max(got["bucket_bytes"]) <= bucket and len(got["bucket_bytes"]) >= 3
+    assert sum(got["bucket_bytes"]) == sum(got["hf"][n].numel() * got["hf"][n].element_size() for n in want)
     assert got["sync"]["weight_sync/buckets"] == len(got["bucket_bytes"]) and got["sync"]["weight_sync/gb_per_s"] > 0
 
 

