@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_helpers import random_batch, run_worker, save_case
-from rollout_helpers import build_tiny_qwen2, load_hf_model
+from rollout_helpers import load_hf_model
+
+from megatron_dapo.model.tiny import build_tiny_qwen2
 
 
 @pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
