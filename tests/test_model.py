@@ -16,7 +16,7 @@ from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from megatron_dapo.model.arch import ArchError, ModelArch
 from megatron_dapo.model.parallel import LayoutError, check_layout
-from megatron_dapo.model.policy import TrainSample, collate, pack_microbatches
+from megatron_dapo.model.policy import TrainSample, collate, cp_slice, cp_unslice, pack_microbatches
 
 VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not count
 
@@ -225,3 +225,17 @@ def test_layout_maps_round_trip_exactly(family, tied):
         assert torch.equal(tp_unshard(name, [tp_shard(name, t, r, 2) for r in range(2)]), t), name
     with pytest.raises(ValueError, match="expected .* from config.json"):
         hf_to_megatron({**hf, "model.norm.weight": torch.zeros(3)}, arch)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_split_is_load_balanced_and_invertible(cp):
+    length = 2 * cp * 3
+    t = torch.arange(2 * length).reshape(2, length)
+    parts = [cp_slice(t, cp, r) for r in range(cp)]
+    chunk = length // (2 * cp)
+    for r, part in enumerate(parts):  # rank r holds chunk r and chunk 2cp-1-r: one early, one late
+        assert part[0].tolist() == list(range(r * chunk, (r + 1) * chunk)) + list(
+            range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)
+        )
+    assert torch.equal(cp_unslice(parts), t)
+    assert torch.equal(cp_unslice([cp_slice(t.float()[..., None], cp, r) for r in range(cp)])[..., 0], t.float())

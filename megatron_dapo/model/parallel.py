@@ -82,11 +82,6 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
         raise LayoutError(f"the model's {arch.num_layers} layers do not split evenly over {what} stages")
     if par.cp > 1 and not te:
         raise LayoutError(f"parallel.cp={par.cp} needs Transformer Engine (GPU only); use parallel.cp=1 here")
-    if par.cp > 1:
-        # Refused rather than run wrong: each CP rank must get its zig-zag slice of every micro-batch.
-        raise LayoutError(
-            f"parallel.cp={par.cp}: context-parallel slicing of micro-batches is not implemented yet; use parallel.cp=1"
-        )
     if model.fp8 is not None and not te:
         raise LayoutError(f"model.fp8={model.fp8!r} needs Transformer Engine (GPU only); set model.fp8=null")
     return Layout(

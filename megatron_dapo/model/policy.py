@@ -158,6 +158,45 @@ def _thd_params(lengths: list[int], width: int, device: torch.device):
     )
 
 
+def cp_slice(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Context parallel's load-balanced split of [b, L] (L divisible by 2 cp): chunks rank and 2cp-1-rank.
+
+    Causal attention makes late positions costlier, so each rank takes one early and one late
+    chunk (Megatron-LM's get_batch_on_this_cp_rank). Returns [b, L / cp].
+    """
+    b, length = t.shape[:2]
+    chunks = t.reshape(b, 2 * cp, length // (2 * cp), *t.shape[2:])
+    return chunks[:, [rank, 2 * cp - 1 - rank]].reshape(b, length // cp, *t.shape[2:])
+
+
+def cp_unslice(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of cp_slice: every rank's [b, L / cp] slice (in rank order) -> the full [b, L]."""
+    cp = len(parts)
+    b, local = parts[0].shape[:2]
+    chunk = local // 2
+    out = parts[0].new_empty(b, 2 * cp, chunk, *parts[0].shape[2:])
+    for rank, part in enumerate(parts):
+        halves = part.reshape(b, 2, chunk, *part.shape[2:])
+        out[:, rank], out[:, 2 * cp - 1 - rank] = halves[:, 0], halves[:, 1]
+    return out.reshape(b, 2 * cp * chunk, *parts[0].shape[2:])
+
+
+def _slice_for_cp(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
+    """This context-parallel rank's share of every per-position tensor (spans stay global)."""
+    fields = (
+        "tokens",
+        "position_ids",
+        "targets",
+        "response_mask",
+        "loss_mask",
+        "advantages",
+        "old_logp",
+        "rollout_logp",
+    )
+    sliced = {f: None if getattr(mb, f) is None else cp_slice(getattr(mb, f), cp, rank) for f in fields}
+    return MicroBatch(spans=mb.spans, packed_seq_params=None, **sliced)
+
+
 class MegatronPolicy:
     """Megatron model chunks, optimizer and schedule for one rank of a layout."""
 
@@ -179,8 +218,9 @@ class MegatronPolicy:
         # The loss is already divided by the global token count: finalize must not rescale by it.
         tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
         self._forward_backward = get_forward_backward_func()
-        # THD packing needs Transformer Engine's attention; the local spec gets padded rows.
-        self.packed = cfg.train.packed_sequences and layout.use_te
+        # THD packing needs Transformer Engine's attention; the local spec gets padded rows. Under
+        # context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
+        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1
         self.optimizer_steps = 0
 
     # ---------------------------------------------------------------- helpers
@@ -191,10 +231,20 @@ class MegatronPolicy:
 
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _dp_group(self):
+    def _dp_group(self, with_cp: bool = False):
+        """Data-parallel ranks (the samples differ); with_cp adds the context-parallel ranks (positions differ)."""
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group()
+        return parallel_state.get_data_parallel_group(with_context_parallel=with_cp)
+
+    def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, L / cp] on each context-parallel rank -> [b, L] everywhere."""
+        from megatron.core import parallel_state
+
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.layout.cp)]
+        dist.all_gather(parts, t, group=parallel_state.get_context_parallel_group())
+        return cp_unslice(parts)
 
     def _run(self, samples: list[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
         """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
@@ -202,7 +252,13 @@ class MegatronPolicy:
         packed = self.packed
         groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch, packed)
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        multiple *= 2 * self.layout.cp if self.layout.cp > 1 else 1  # two chunks per context-parallel rank
         mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
+        if self.layout.cp > 1:
+            from megatron.core import parallel_state
+
+            rank = parallel_state.get_context_parallel_rank()
+            mbs = [_slice_for_cp(mb, self.layout.cp, rank) for mb in mbs]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -240,6 +296,8 @@ class MegatronPolicy:
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = token_logprobs(logits, mb.targets, temperature, vocab)
             entropy = token_entropy(logits, temperature, vocab)
+            if self.layout.cp > 1:  # spans index the full row: reassemble it from the CP ranks
+                logp, entropy = self._gather_cp(logp), self._gather_cp(entropy)
             return (
                 torch.zeros((), device=logits.device),
                 torch.zeros((), dtype=torch.int),
@@ -343,8 +401,8 @@ class MegatronPolicy:
             sums[-1] = float(stats["ratio_max"])
         sums = sums.to(self.layout.device)
         ratio_max = sums[-1:].clone()
-        dist.all_reduce(sums[:-1], group=self._dp_group())
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self._dp_group())
+        dist.all_reduce(sums[:-1], group=self._dp_group(with_cp=True))  # CP ranks hold different positions
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self._dp_group(with_cp=True))
         if self.layout.pp > 1:  # the last stage knows; the others learn it
             group = parallel_state.get_pipeline_model_parallel_group()
             last = parallel_state.get_pipeline_model_parallel_last_rank()
