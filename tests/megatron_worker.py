@@ -11,6 +11,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   memory the sync added (VmHWM reset before it, against VmRSS before it).
 - serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
   through the bridge, then generates greedily (no training).
+- resume: train, checkpoint, train on; a fresh policy resumed from the checkpoint trains the same
+  step; then the newest checkpoint is corrupted and a resume falls back to the previous one.
 - vllm: a vLLM engine (a child process of rank 0, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
@@ -28,7 +30,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve"), default="train")
+    ap.add_argument(
+        "--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume"), default="train"
+    )
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
@@ -65,6 +69,12 @@ def main() -> None:
             torch.save(result, os.path.join(args.out, "rank0.pt"))
         destroy_parallel()
         return
+    if args.mode == "resume":
+        result.update(resume(policy, samples, mine, cfg, arch, layout, args.out))
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+            torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
+        destroy_parallel()
+        return
     if args.mode in ("vllm", "serve"):
         run = vllm_sync if args.mode == "vllm" else vllm_serve
         result.update(run(policy, samples, cfg, arch, layout, args.case))
@@ -95,6 +105,56 @@ def main() -> None:
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
     destroy_parallel()
+
+
+def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
+    import random
+
+    from megatron_dapo.checkpoint import CheckpointManager
+    from megatron_dapo.model.policy import MegatronPolicy
+    from megatron_dapo.model.provider import tp_gathered_tensors
+
+    def step(p):
+        logps = p.compute_logprobs(samples, 0.9)
+        if logps is not None:
+            for i, s in enumerate(samples):
+                s.old_logp = logps[i]["logp"] + mine[i]["noise"]
+        return p.train_step(samples, 0.9)
+
+    manager = CheckpointManager(os.path.join(out, "ckpt"), keep_last=2)
+    step(policy)
+    manager.save(policy, 1, {"loader": {"queue": [3, 1, 2]}, "python_random": random.random()})
+    expected_random = random.random()  # the RNG stream right after the save
+    second = step(policy)
+    after_a = tp_gathered_tensors(policy.model, arch, layout)
+    manager.save(policy, 2, {})
+
+    # a fresh policy with random weights, resumed from step 1 (named explicitly), trains step 2 again
+    fresh = MegatronPolicy(cfg, arch, layout, None)
+    state = manager.load(fresh, manager.root / "step_00000001")
+    resumed_random = random.random()
+    second_b = step(fresh)
+    after_b = tp_gathered_tensors(fresh.model, arch, layout)
+
+    # the newest checkpoint is damaged: `latest` points at it, load falls back to step 1
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        for f in (manager.root / "step_00000002" / "dist").glob("*.distcp"):
+            f.write_bytes(b"garbage")
+    dist.barrier()
+    fallback = manager.load(MegatronPolicy(cfg, arch, layout, None))
+    return {
+        "metrics_a": second,
+        "metrics_b": second_b,
+        "weights": after_a,
+        "weights_b": after_b,
+        "state": state,
+        "rng_same": expected_random == resumed_random,
+        "fallback_step": fallback["step"],
+        "kept": sorted(p.name for p in manager.complete()),
+        "megatron": "set",
+    }
 
 
 def _proc_status_kb(field: str) -> int:

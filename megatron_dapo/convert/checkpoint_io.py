@@ -490,7 +490,7 @@ def model_sharded_state_dict(chunks: list) -> dict:
 
 
 @contextlib.contextmanager
-def _in_process_write_results():
+def in_process_write_results():
     """Let a synchronous torch_dist save hand its write results over in this process.
 
     Megatron's default channel is a queue in a spawned multiprocessing Manager, which must import torch
@@ -526,7 +526,7 @@ def save_megatron_checkpoint(chunks: list, ckpt_dir: str | Path) -> float:
     if dist.get_rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with _in_process_write_results():
+    with in_process_write_results():
         dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
     dist.barrier()
     return time.perf_counter() - t0

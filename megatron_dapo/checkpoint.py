@@ -1,0 +1,228 @@
+"""Training checkpoints: model + optimizer as a Megatron distributed checkpoint, plus per-rank trainer state.
+
+    root/
+      latest                  the name of the newest complete checkpoint, updated last
+      step_00000010/
+        dist/                 dist_checkpointing of {model, optimizer} (loads into any TP/PP/DP layout)
+        state/rank00000.pt    this rank's scheduler, RNG states and the trainer's own state (loader, counters)
+        COMPLETE              written when every rank has finished
+
+A checkpoint is written under `step_N.tmp` and renamed when complete, and `latest` is
+replaced atomically after that, so a crash mid-save never leaves a half checkpoint that
+looks whole. `load` falls back from a missing or unreadable checkpoint to the previous
+complete one, saying so. The optimizer uses the distributed optimizer's dp_reshardable
+format (the default one cannot be saved from every layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.convert.checkpoint_io import in_process_write_results, model_sharded_state_dict
+
+log = logging.getLogger("megatron_dapo.checkpoint")
+
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be loaded: the message lists what was tried and why each failed."""
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def _rng_states() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_states(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A never-stepped distributed optimizer has no Adam state to load into: give it some first.
+
+    Megatron's own initialiser takes a step with zero gradients; every value it touches (the
+    fp32 main params, the moments, the step count) is then overwritten by the checkpoint.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and not inner.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor again.
+
+    Megatron restores one shared step tensor into every parameter's torch AdamW state; torch
+    then increments it once per parameter per step, so bias correction runs ahead and the
+    resumed run drifts (by ~1e-4 after one step here, silently).
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+class CheckpointManager:
+    """Save, find and load training checkpoints under root, keeping the newest keep_last."""
+
+    def __init__(self, root: str | Path, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint keep_last={keep_last}: expected an integer >= 1")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, policy, step: int, trainer_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls with its own trainer_state (plain containers and tensors)."""
+        final = _step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous crash mid-save
+            (tmp / "state").mkdir(parents=True)
+            (tmp / "dist").mkdir()
+        dist.barrier()
+        from megatron.core import dist_checkpointing
+
+        model_sd = model_sharded_state_dict(policy.model)
+        sharded = {
+            **model_sd,
+            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIM_METADATA),
+        }
+        with in_process_write_results():
+            dist_checkpointing.save(sharded, str(tmp / "dist"))
+        torch.save(
+            {
+                "step": step,
+                "scheduler": policy.scheduler.state_dict(),
+                "optimizer_steps": policy.optimizer_steps,
+                "rng": _rng_states(),
+                "trainer": trainer_state,
+            },
+            tmp / "state" / f"rank{rank:05d}.pt",
+        )
+        dist.barrier()
+        if rank == 0:
+            (tmp / _COMPLETE).write_text(f"{dist.get_world_size()}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = self.root / "latest.tmp"
+            latest_tmp.write_text(final.name + "\n")
+            os.replace(latest_tmp, self.root / "latest")  # last: a reader never sees a pointer to a partial save
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        complete = self.complete()
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---------------------------------------------------------------- find
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and (p / _COMPLETE).is_file())
+
+    def candidates(self) -> list[Path]:
+        """What load tries, in order: the one `latest` names, then the other complete ones, newest first."""
+        complete = self.complete()[::-1]
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            named = self.root / pointer.read_text().strip()
+            return [named] + [p for p in complete if p != named]
+        return complete
+
+    # ---------------------------------------------------------------- load
+
+    def load(self, policy, path: Optional[str | Path] = None) -> Optional[dict[str, Any]]:
+        """Restore policy (model, optimizer, scheduler, RNG) from path or the newest usable checkpoint.
+
+        Returns the saved step and this rank's trainer state ({"step": ..., "trainer": ...}), or
+        None when the root holds no checkpoint at all. Raises CheckpointError when every candidate fails.
+        """
+        tried = [Path(path)] if path is not None else self.candidates()
+        if not tried:
+            return None
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        failures = []
+        for ckpt in tried:
+            try:
+                state = self._load_one(policy, ckpt)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - (a BaseException) try the previous one
+                failures.append(f"{ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                log.warning("checkpoint %s is not usable (%s); trying the previous one", ckpt, failures[-1])
+                continue
+            if failures and dist.get_rank() == 0:
+                log.warning("resumed from %s after %d unusable newer checkpoint(s)", ckpt, len(failures))
+            return state
+        raise CheckpointError("no usable checkpoint: " + "; ".join(failures))
+
+    def _load_one(self, policy, ckpt: Path) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        if not (ckpt / _COMPLETE).is_file():
+            raise CheckpointError(f"{ckpt} is incomplete (no {_COMPLETE} marker)")
+        rank_file = ckpt / "state" / f"rank{dist.get_rank():05d}.pt"
+        saved_world = int((ckpt / _COMPLETE).read_text().strip() or 0)
+        if saved_world != dist.get_world_size() or not rank_file.is_file():
+            raise CheckpointError(
+                f"{ckpt} was saved by {saved_world} ranks, this run has {dist.get_world_size()}: "
+                "convert it (tools/convert_megatron_to_hf.py) to change the layout"
+            )
+        state = torch.load(rank_file, weights_only=False)
+        _ensure_optimizer_state(policy.optimizer)
+        model_sd = model_sharded_state_dict(policy.model)
+        sharded = {
+            **model_sd,
+            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA),
+        }
+        with torch.no_grad():
+            loaded = dist_checkpointing.load(sharded, str(ckpt / "dist"))
+            for key, chunk in zip(model_sd, policy.model):
+                (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(loaded[key], strict=True)
+            policy.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(policy.optimizer)
+        policy.scheduler.load_state_dict(state["scheduler"])
+        policy.optimizer_steps = state["optimizer_steps"]
+        _set_rng_states(state["rng"])
+        return {"step": state["step"], "trainer": state["trainer"]}
