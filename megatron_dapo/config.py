@@ -227,6 +227,22 @@ class TrainConfig:
 
 
 @dataclass
+class TrainerConfig:
+    """The outer loop: steps, checkpoints, logs."""
+
+    run_dir: str = "runs/dapo"
+    """Checkpoints (run_dir/checkpoints), TensorBoard events and the metrics log go here."""
+    total_steps: int = 100
+    """Rollout steps to run (each: one dynamic-sampling batch, then its optimizer steps)."""
+    save_every: int = 10
+    """Checkpoint every this many rollout steps (and at the end); 0 = only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Continue from the newest usable checkpoint in run_dir when there is one."""
+
+
+@dataclass
 class Config:
     """The root of the tree."""
 
@@ -250,6 +266,8 @@ class Config:
     """See ParallelConfig."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """See TrainConfig."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """See TrainerConfig."""
 
     def validate(self) -> Config:
         """Raise ConfigError for values that cannot run; return self."""
@@ -348,6 +366,10 @@ class Config:
             self.train.max_tokens_per_microbatch,
             "an integer >= 1",
         )
+        t = self.trainer
+        _check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "an integer >= 1")
+        _check(t.save_every >= 0, "trainer.save_every", t.save_every, "an integer >= 0 (0 = only at the end)")
+        _check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "an integer >= 1")
         responses = s.train_batch_size * a.group_size
         if s.mode == "fill":
             _check(
