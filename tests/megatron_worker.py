@@ -13,6 +13,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   through the bridge, then generates greedily (no training).
 - resume: train, checkpoint, train on; a fresh policy resumed from the checkpoint trains the same
   step; then the newest checkpoint is corrupted and a resume falls back to the previous one.
+- nan: a mini-batch whose loss is NaN is skipped (weights, optimizer and LR schedule untouched);
+  the next finite one trains.
 - vllm: a vLLM engine (a child process of rank 0, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
@@ -31,7 +33,7 @@ def main() -> None:
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
     ap.add_argument(
-        "--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume"), default="train"
+        "--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan"), default="train"
     )
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
@@ -83,6 +85,22 @@ def main() -> None:
         destroy_parallel()
         return
     first = policy.compute_logprobs(samples, args.temperature)
+    if args.mode == "nan":
+        for i, s in enumerate(samples):
+            s.old_logp = first[i]["logp"] + mine[i]["noise"]
+        before = tp_gathered_tensors(policy.model, arch, layout)
+        samples[0].advantage = float("nan")
+        result["metrics_nan"] = policy.train_step(samples, args.temperature)
+        result["unchanged"] = all(
+            torch.equal(t, tp_gathered_tensors(policy.model, arch, layout)[n]) for n, t in before.items()
+        )
+        result["steps_after_nan"] = policy.optimizer_steps
+        samples[0].advantage = 1.0
+        result["metrics"] = policy.train_step(samples, args.temperature)
+        result["steps_after_good"] = policy.optimizer_steps
+        torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
+        destroy_parallel()
+        return
     if args.mode == "logprobs":
         result["logprobs"] = first
     elif args.mode == "train":
@@ -122,7 +140,8 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
         return p.train_step(samples, 0.9)
 
     manager = CheckpointManager(os.path.join(out, "ckpt"), keep_last=2)
-    step(policy)
+    for _ in range(3):  # several optimizer steps: Adam's step count must come back right, not as 1
+        step(policy)
     manager.save(policy, 1, {"loader": {"queue": [3, 1, 2]}, "python_random": random.random()})
     expected_random = random.random()  # the RNG stream right after the save
     second = step(policy)

@@ -76,3 +76,76 @@ def test_two_rollout_steps_end_to_end(tmp_path):
     assert lines[1]["trainer/optimizer_steps"] == 4
     assert "step 2 | reward" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+
+
+def test_a_nan_loss_skips_the_update(tmp_path):
+    from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+
+    case = save_case(tiny_hf_model("qwen2", vocab_size=250), random_batch(4, 12, 250), tmp_path / "case")
+    got = run_worker(case, tmp_path / "out", 1, "--mode", "nan")
+    bad, good = got["metrics_nan"], got["metrics"]
+    assert math.isnan(bad["actor/loss"]) and bad["actor/update_applied"] == 0.0
+    assert got["unchanged"] and got["steps_after_nan"] == 0
+    assert good["actor/update_applied"] == 1.0 and got["steps_after_good"] == 1 and math.isfinite(good["actor/loss"])
+
+
+DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "step")
+
+
+def _comparable(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k}
+
+
+def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(tmp_path):
+    import signal
+    import time
+
+    model = build_tiny_qwen2(tmp_path / "model", seed=0)
+    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    common = [
+        f"model.hf_path={model}",
+        "model.dtype=fp32",
+        f"data.train_files=[{data}]",
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "algorithm.dynamic_sampling=false",
+        "sampler.train_batch_size=4",
+        "sampler.gen_batch_size=4",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=2",
+        "optim.lr=1e-3",
+        "reward.num_workers=1",
+        "trainer.total_steps=4",
+        "trainer.save_every=0",
+        "trainer.tensorboard=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
+
+    full = tmp_path / "full"
+    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    want = [_comparable(json.loads(x)) for x in (full / "metrics.jsonl").read_text().splitlines()]
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "SIGTERM: saved" in out
+    first = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    stopped_at = int(first[-1]["step"])
+    assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+
+    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    got = [_comparable(json.loads(x)) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
+    assert got == want  # step for step, the same as the run that was never interrupted

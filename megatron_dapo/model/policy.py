@@ -13,6 +13,7 @@ the global token-mean.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -372,11 +373,14 @@ class MegatronPolicy:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(samples, loss_fn, forward_only=False)
-        applied, grad_norm, _ = self.optimizer.step()
+        metrics = self._reduce_metrics(outputs)  # identical on every rank, so all skip together
+        if math.isfinite(metrics["actor/loss"]):
+            applied, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN/inf loss would poison the weights and Adam's moments: drop this update
+            applied, grad_norm = False, None
         if applied:
             self.scheduler.step(increment=1)
             self.optimizer_steps += 1
-        metrics = self._reduce_metrics(outputs)
         metrics.update(
             {
                 "actor/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
