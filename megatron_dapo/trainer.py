@@ -177,6 +177,23 @@ class Trainer:
         )
         return metrics
 
+    def evaluate(self, prompts: list[Prompt], max_tokens: int | None = None) -> float:
+        """Greedy accuracy on prompts with the engine's current weights, scored by the reward pool."""
+        if not prompts:
+            return 0.0
+        outputs = self.engine.generate(
+            [p.token_ids for p in prompts],
+            n=1,
+            temperature=0.0,
+            top_p=1.0,
+            max_tokens=max_tokens or self.cfg.rollout.max_response_length,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+        )
+        scored = self.scorer.score(
+            [o[0].text for o in outputs], [p.ground_truth for p in prompts], [p.data_source for p in prompts]
+        )
+        return sum(scored.acc) / len(prompts)
+
     def save(self) -> Path:
         state = {
             "gen_rounds": self.gen_rounds,

