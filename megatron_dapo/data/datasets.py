@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_dapo.data.types import Prompt
+from megatron_dapo.reward.verifiers import gsm8k_answer
 
 logger = logging.getLogger("megatron_dapo.data")
 
@@ -189,7 +190,7 @@ def _gsm8k_ground_truth(answer: str) -> str:
     """'... #### 1,234' -> '1234': the text after the last '####', thousands separators removed."""
     if "####" not in answer:
         raise _BadRow("answer", "no '#### N' final answer; expected a worked solution ending with '#### N'")
-    gt = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    gt = gsm8k_answer(answer)  # the verifier's own reading of a GSM8K gold
     if not gt:
         raise _BadRow("answer", "empty final answer after '####'; expected '#### N'")
     return gt
