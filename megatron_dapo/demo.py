@@ -12,9 +12,11 @@ informative fraction per step.
     python -m megatron_dapo.demo --out runs/demo
     python -m megatron_dapo.demo --out runs/demo-smollm2 --smollm2
 
-Status: the pieces run end to end (about 90 s on 2 cores), but the DAPO phase does not yet
-lift held-out accuracy (measured: 16% -> 15% in 60 steps at lr 5e-4; 16% -> 6% at lr 2e-3),
-so `make demo` does not call this yet; the hyperparameters need tuning first.
+Status: the pieces run end to end, but the target (held-out accuracy from <= 30% to >= 70%
+within 10 minutes) is not met yet, so `make demo` does not call this. Measured on 2 cores:
+lr 5e-4: 16% -> 15% in 60 steps; lr 2e-3: 16% -> 6%; lr 2e-4: 16% -> 38% in 278 steps (6 min);
+lr 4e-4: 45.5% at step 280, then the sampler's cap stopped it as groups went all-correct or
+all-wrong (entropy collapse on 761 prompts). Next: hotter rollouts or a larger prompt pool.
 """
 
 from __future__ import annotations
