@@ -242,27 +242,34 @@ def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelAr
         slot.param.copy_(src)
 
 
+def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, layout: Layout) -> torch.Tensor:
+    """This TP rank's slice of Megatron tensor `name` -> the full tensor, vocabulary padding dropped.
+
+    Collective over the TP group (every TP rank calls it for the same name); a replicated
+    tensor comes back as it is. The result is contiguous (gloo sends non-contiguous views wrong).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    t = local.detach().contiguous()
+    if tp_split_dim(name) is not None and layout.tp > 1:
+        shards = [torch.empty_like(t) for _ in range(layout.tp)]
+        dist.all_gather(shards, t, group=parallel_state.get_tensor_model_parallel_group())
+        t = tp_unshard(name, shards)
+        del shards  # the slices are garbage once joined: free them before anything else is allocated
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        t = t[: arch.vocab_size]
+    return t.contiguous()
+
+
 def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
     """This pipeline stage's parameters (or their main grads) as full-TP Megatron tensors, vocab unpadded.
 
     Collective over the TP group: every TP rank gets every tensor. Meant for checks and
     small models; the weight bridge streams instead.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
     out = {}
     for slot in local_slots(chunks, arch):
-        t = slot.param.main_grad if grads else slot.param.data
-        t = t.detach().float().contiguous()
-        if tp_split_dim(slot.full_name) is not None and layout.tp > 1:
-            shards = [torch.empty_like(t) for _ in range(layout.tp)]
-            dist.all_gather(shards, t, group=group)
-            t = tp_unshard(slot.full_name, shards)
-        if slot.full_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = t[: arch.vocab_size]
-        if slot.full_name in out:  # tied embedding on first and last stage: both must agree
-            continue
-        out[slot.full_name] = t.clone()
+        t = gather_tp(slot.full_name, slot.param.main_grad if grads else slot.param.data, arch, layout).float()
+        out.setdefault(slot.full_name, t.clone())  # a tied embedding on first and last stage: the first copy
     return out

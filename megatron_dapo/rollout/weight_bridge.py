@@ -17,10 +17,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatron_to_hf, tp_split_dim, tp_unshard
+from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatron_to_hf
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import Layout
-from megatron_dapo.model.provider import local_slots
+from megatron_dapo.model.provider import gather_tp, local_slots
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -35,7 +35,6 @@ class WeightBridge:
         self.params = {}
         for slot in local_slots(model_chunks, arch):
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         # Which pipeline rank owns each tensor, and its dtype (bf16 models keep fp32 norms): learnt once,
@@ -61,15 +60,7 @@ class WeightBridge:
     def _full_tensor(self, name: str) -> torch.Tensor:
         """The full Megatron tensor on every rank (collective over the TP and PP groups)."""
         if self.owner[name] == self.pp_rank:
-            t = self.params[name].detach().contiguous()  # gloo sends non-contiguous views wrong
-            if tp_split_dim(name) is not None and self.layout.tp > 1:
-                shards = [torch.empty_like(t) for _ in range(self.layout.tp)]
-                dist.all_gather(shards, t, group=self.tp_group)
-                t = tp_unshard(name, shards)
-                del shards
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                t = t[: self.arch.vocab_size]
-            t = t.contiguous()
+            t = gather_tp(name, self.params[name], self.arch, self.layout)
         else:
             t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtypes[name], device=self.layout.device)
         if self.layout.pp > 1:
