@@ -92,6 +92,9 @@ class RolloutConfig:
     """Sampling temperature (the paper trains at 1.0); logprobs are taken at this temperature."""
     top_p: float = 1.0
     """Nucleus sampling during training rollouts (1.0 in the paper; evaluation uses 0.7)."""
+    tp: Optional[int] = None
+    """Tensor-parallel size of each vLLM engine (GPU); None = parallel.tp. The world holds
+    world_size / tp engines, each generating its share of the prompts."""
     bucket_bytes: int = 1 << 30
     """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
     this many bytes: the memory a sync needs beyond the model is about one bucket plus the
@@ -247,6 +250,24 @@ class TrainerConfig:
     """Write every metric to TensorBoard under run_dir/tensorboard."""
     wandb_project: Optional[str] = None
     """Also log to this Weights & Biases project (needs the wandb package); null = off."""
+    progress_bar: bool = True
+    """Show a progress bar over each generation call on rank 0 (only on a terminal)."""
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on data.val_files during training (the paper: AIME avg@32)."""
+
+    every: int = 0
+    """Evaluate every this many rollout steps (and after the last); 0 = never."""
+    k: int = 32
+    """Samples per problem: avg@k is the mean correctness over all k x problems."""
+    temperature: float = 1.0
+    """Sampling temperature for evaluation (the paper: 1.0); 0 = greedy (then use k = 1)."""
+    top_p: float = 0.7
+    """Nucleus sampling for evaluation (the paper: 0.7)."""
+    max_response_length: Optional[int] = None
+    """Generation limit for evaluation in tokens; null = rollout.max_response_length."""
 
 
 @dataclass
@@ -275,6 +296,8 @@ class Config:
     """See TrainConfig."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """See TrainerConfig."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """See EvalConfig."""
 
     def validate(self) -> Config:
         """Raise ConfigError for values that cannot run; return self."""
@@ -318,6 +341,8 @@ class Config:
         _check(r.temperature > 0, "rollout.temperature", r.temperature, "a value > 0")
         _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
         _check(r.bucket_bytes >= 1, "rollout.bucket_bytes", r.bucket_bytes, "an integer >= 1")
+        if r.tp is not None:
+            _check(r.tp >= 1, "rollout.tp", r.tp, "an integer >= 1, or null for parallel.tp")
         _check(self.data.format in DATASET_FORMATS, "data.format", self.data.format, f"one of {DATASET_FORMATS}")
         _check(
             self.data.on_bad_row in BAD_ROW_POLICIES,
@@ -378,6 +403,20 @@ class Config:
         _check(t.save_every >= 0, "trainer.save_every", t.save_every, "an integer >= 0 (0 = only at the end)")
         _check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "an integer >= 1")
         _check(t.max_nan_in_a_row >= 1, "trainer.max_nan_in_a_row", t.max_nan_in_a_row, "an integer >= 1")
+        e = self.eval
+        _check(e.every >= 0, "eval.every", e.every, "an integer >= 0 (0 = never)")
+        _check(e.k >= 1, "eval.k", e.k, "an integer >= 1")
+        _check(e.temperature >= 0, "eval.temperature", e.temperature, "a value >= 0 (0 = greedy)")
+        _check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "a value in (0, 1]")
+        if e.max_response_length is not None:
+            _check(e.max_response_length >= 1, "eval.max_response_length", e.max_response_length, "an integer >= 1")
+        if e.every:
+            _check(
+                bool(self.data.val_files),
+                "data.val_files",
+                self.data.val_files,
+                "files to evaluate on (eval.every > 0)",
+            )
         responses = s.train_batch_size * a.group_size
         if s.mode == "fill":
             _check(

@@ -4,7 +4,8 @@ Runs trainer.total_steps rollout steps, printing one progress line per step and 
 metric to run_dir/metrics.jsonl, TensorBoard and (when trainer.wandb_project is set) Weights &
 Biases. Checkpoints every trainer.save_every steps and at the end. SIGTERM or SIGUSR1 (Slurm's
 warning before a time limit or preemption) finish the current step, save a checkpoint and exit 0;
-the next run resumes from it.
+the next run resumes from it. Reaching total_steps writes run_dir/FINISHED (the step), so a
+batch script can tell "stopped to be requeued" from "done".
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
+            e = cfg.eval.every
+            if e and (trainer.step % e == 0 or trainer.step == cfg.trainer.total_steps):
+                metrics.update(trainer.evaluate_from_config())
             if rank0:
                 print(progress_line(metrics), flush=True)
             sinks.write(metrics)
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                 return
             if (every and trainer.step % every == 0) or trainer.step == cfg.trainer.total_steps:
                 trainer.save()
+        if rank0:  # tells a requeueing batch script the run is done
+            (Path(cfg.trainer.run_dir) / "FINISHED").write_text(f"{trainer.step}\n")
     finally:
         sinks.close()
         trainer.close()

@@ -91,6 +91,8 @@ class Trainer:
         self.gen_rounds = 0
         self.rollout_calls = 0  # seeds generation: a resumed run samples what the uninterrupted one would
         self.nan_in_a_row = 0
+        self._val_prompts: list[Prompt] | None = None
+        self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
         if cfg.trainer.resume:
             state = self.checkpoints.load(self.policy)
             if state is not None:
@@ -177,22 +179,51 @@ class Trainer:
         )
         return metrics
 
-    def evaluate(self, prompts: list[Prompt], max_tokens: int | None = None) -> float:
-        """Greedy accuracy on prompts with the engine's current weights, scored by the reward pool."""
+    def evaluate(
+        self,
+        prompts: list[Prompt],
+        k: int = 1,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """avg@k and pass@k on prompts with the engine's current weights, scored by the reward pool.
+
+        avg@k: mean correctness over every (problem, sample); pass@k: fraction of problems with at
+        least one correct sample. Defaults: one greedy sample (then both are the greedy accuracy).
+        """
         if not prompts:
-            return 0.0
+            raise ValueError("evaluate: no prompts (is data.val_files empty?)")
         outputs = self.engine.generate(
             [p.token_ids for p in prompts],
-            n=1,
-            temperature=0.0,
-            top_p=1.0,
+            n=k,
+            temperature=temperature,
+            top_p=top_p,
             max_tokens=max_tokens or self.cfg.rollout.max_response_length,
             stop_token_ids=[self.tokenizer.eos_token_id],
+            seed=self.cfg.seed,  # the same samples for the same weights: curves compare step to step
         )
         scored = self.scorer.score(
-            [o[0].text for o in outputs], [p.ground_truth for p in prompts], [p.data_source for p in prompts]
+            [r.text for group in outputs for r in group],
+            [p.ground_truth for p in prompts for _ in range(k)],
+            [p.data_source for p in prompts for _ in range(k)],
         )
-        return sum(scored.acc) / len(prompts)
+        correct = torch.tensor(scored.acc, dtype=torch.float64).view(len(prompts), k)
+        return {
+            "eval/avg_at_k": float(correct.mean()),
+            "eval/pass_at_k": float((correct > 0).any(dim=1).double().mean()),
+            "eval/k": float(k),
+            "eval/problems": float(len(prompts)),
+        }
+
+    def evaluate_from_config(self) -> dict[str, float]:
+        """evaluate() on data.val_files with the eval section's k, temperature, top_p and length."""
+        from megatron_dapo.data.datasets import PromptDataset
+
+        if self._val_prompts is None:
+            self._val_prompts = list(PromptDataset.from_config(self.cfg.data, self.tokenizer, split="val"))
+        e = self.cfg.eval
+        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, e.max_response_length)
 
     def save(self) -> Path:
         state = {
@@ -220,12 +251,22 @@ def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
 
 def progress_line(m: dict[str, Any]) -> str:
     """The one line a person reads per rollout step."""
+    if "reward/mean" in m:
+        rollout = (
+            f"reward {m['reward/mean']:+.3f} acc {m['reward/acc']:.3f} "
+            f"informative {m['sampler/informative_frac']:.2f} rounds {int(m['sampler/gen_rounds'])} | "
+            f"len {m['response/length_mean']:.0f}/{m['response/length_max']:.0f}"
+        )
+    else:  # a step trained entirely on groups carried over from the last one
+        rollout = f"no generation: {int(m['sampler/batch_groups'])} carried-over groups"
+    evaluation = ""
+    if "eval/avg_at_k" in m:
+        k = int(m["eval/k"])
+        evaluation = f" | eval avg@{k} {m['eval/avg_at_k']:.3f} pass@{k} {m['eval/pass_at_k']:.3f}"
     return (
-        f"step {int(m['step'])} | reward {m['reward/mean']:+.3f} acc {m['reward/acc']:.3f} "
-        f"informative {m['sampler/informative_frac']:.2f} rounds {int(m['sampler/gen_rounds'])} | "
-        f"len {m['response/length_mean']:.0f}/{m['response/length_max']:.0f} | "
+        f"step {int(m['step'])} | {rollout} | "
         f"clip lo/hi {m.get('actor/clip_frac_low', 0):.3f}/{m.get('actor/clip_frac_high', 0):.3f} "
         f"entropy {m.get('actor/entropy', 0):.3f} | {m['perf/tokens_per_s']:.0f} tok/s | "
         f"gen {m['timing/generate']:.1f}s old {m['timing/old_logp']:.1f}s train {m['timing/train']:.1f}s "
-        f"sync {m['timing/sync']:.1f}s"
+        f"sync {m['timing/sync']:.1f}s{evaluation}"
     )

@@ -113,6 +113,20 @@ def test_surplus_is_carried_over_and_nothing_is_lost(pool):
     assert trained == [i for call in rollout.calls for i in call]  # every informative group, once, in order
 
 
+def test_step_served_from_the_carry_reports_no_rollout_rates(pool):
+    rollout = ScriptedRollout(lambda i: 1 + i % 3)  # every group informative
+    ds = loader(make_dataset(100), rollout, pool, train_batch_size=2, gen_batch_size=4)
+    ds.next_batch()  # 4 generated, 2 trained, 2 carried
+    calls = len(rollout.calls)
+    second = ds.next_batch()
+    assert len(rollout.calls) == calls and len(second.groups) == 2
+    s = second.stats
+    assert s["sampler/gen_rounds"] == 0 and s["sampler/carried_in"] == 2 and s["sampler/batch_groups"] == 2
+    # no fresh responses: rates are absent, never a 0 that reads as a collapse
+    for key in ("reward/mean", "reward/acc", "sampler/informative_frac", "response/length_mean"):
+        assert key not in s
+
+
 def test_cap_error_reports_what_was_found(pool):
     rollout = ScriptedRollout(lambda i: 2 if i in (3, 11) else 0)
     ds = loader(make_dataset(50), rollout, pool, train_batch_size=4, gen_batch_size=5, max_gen_batches=3, shuffle=False)

@@ -42,6 +42,7 @@ def test_samples_take_their_groups_advantage_and_overlong_filter():
 def test_two_rollout_steps_end_to_end(tmp_path):
     model = build_tiny_qwen2(tmp_path / "model", seed=0)
     data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    val = write_jsonl(tmp_path / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
     run = tmp_path / "run"
     overrides = [
         f"model.hf_path={model}",
@@ -61,6 +62,9 @@ def test_two_rollout_steps_end_to_end(tmp_path):
         f"trainer.run_dir={run}",
         "trainer.total_steps=2",
         "trainer.save_every=1",
+        f"data.val_files=[{val}]",
+        "eval.every=2",
+        "eval.k=3",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -75,6 +79,12 @@ def test_two_rollout_steps_end_to_end(tmp_path):
         assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3  # vLLM and Megatron agree
     assert lines[1]["trainer/optimizer_steps"] == 4
     assert "step 2 | reward" in proc.stdout
+    # evaluation after step 2 only (eval.every=2): 5 problems x 3 samples; a random model is never right
+    assert "eval/avg_at_k" not in lines[0]
+    assert lines[1]["eval/k"] == 3 and lines[1]["eval/problems"] == 5
+    assert lines[1]["eval/avg_at_k"] == 0.0 and lines[1]["eval/pass_at_k"] == 0.0
+    assert "eval avg@3 0.000 pass@3 0.000" in proc.stdout
+    assert (run / "FINISHED").read_text().strip() == "2"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
 
 
@@ -143,9 +153,11 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(tmp_path)
     first = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
     stopped_at = int(first[-1]["step"])
     assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
 
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     got = [_comparable(json.loads(x)) for x in (cut / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
     assert got == want  # step for step, the same as the run that was never interrupted
+    assert (cut / "FINISHED").read_text().strip() == "4"

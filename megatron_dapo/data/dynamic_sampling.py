@@ -305,19 +305,23 @@ class DynamicSamplingLoader:
     def _step_stats(
         self, rounds: int, carried_in: int, counts: dict[str, int], totals: dict[str, float], batch_size: int
     ) -> dict[str, float]:
-        groups = max(counts["groups"], 1)
-        responses = max(counts["groups"] * self.group_size, 1)
-        return {
+        stats = {
             "sampler/gen_rounds": float(rounds),
             "sampler/groups_generated": float(counts["groups"]),
-            "sampler/informative": float(counts["accepted"]),
-            "sampler/informative_frac": counts["accepted"] / groups,
-            "sampler/all_correct": float(counts["all_correct"]),
-            "sampler/all_wrong": float(counts["all_wrong"]),
             "sampler/carried_in": float(carried_in),
             "sampler/carried_out": float(len(self.carry)),
             "sampler/batch_groups": float(batch_size),
             "sampler/epoch": float(self.epoch),
+        }
+        if not counts["groups"]:
+            return stats  # served from the carry: no fresh rollout, so no rates (a 0 would read as a collapse)
+        groups = counts["groups"]
+        responses = groups * self.group_size
+        return stats | {
+            "sampler/informative": float(counts["accepted"]),
+            "sampler/informative_frac": counts["accepted"] / groups,
+            "sampler/all_correct": float(counts["all_correct"]),
+            "sampler/all_wrong": float(counts["all_wrong"]),
             "reward/mean": totals.get("reward/shaped_sum", 0.0) / responses,
             "reward/score_mean": totals.get("reward/score_sum", 0.0) / responses,
             "reward/acc": totals.get("reward/correct", 0.0) / responses,

