@@ -14,8 +14,10 @@ OmegaConf structured configs, which check types. On top of that:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,8 +164,9 @@ class OptimConfig:
 
     lr: float = 1e-6
     """Peak (and constant, after warm-up) learning rate."""
-    warmup_steps: int = 20
-    """Linear warm-up from 0 to lr, counted in optimizer steps."""
+    warmup_steps: int = 320
+    """Linear warm-up from 0 to lr, counted in optimizer steps: the paper warms up over 20
+    rollout steps of 16 updates each = 320 (set 20 x updates per rollout step for other sizes)."""
     weight_decay: float = 0.1
     """AdamW's decoupled weight decay."""
     clip_grad: float = 1.0
@@ -426,6 +429,16 @@ class Config:
                 f"a divisor of sampler.train_batch_size x algorithm.group_size = {responses} responses per rollout step",
             )
         return self
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: docstring} of a config dataclass: the string literal right after each field."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        node.target.id: inspect.cleandoc(nxt.value.value)
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:

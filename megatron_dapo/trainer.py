@@ -1,16 +1,23 @@
 """The DAPO loop: rollout -> rewards -> informative filter -> old logprobs -> mini-batch updates -> weight sync.
 
 One rollout step: the dynamic-sampling loader collects `sampler.train_batch_size` informative
-groups of `algorithm.group_size` responses from the colocated vLLM engine; each group's shaped
+groups of `algorithm.group_size` responses from the colocated vLLM engines; each group's shaped
 rewards become advantages; the policy recomputes the sampling policy's logprobs (old_logp)
 once, then takes one optimizer step per mini-batch of `optim.mini_batch_size` responses (16
-with the paper's sizes); the bridge then streams the new weights into the engine. Rollout
+with the paper's sizes); the bridge then streams the new weights into the engines. Rollout
 steps, optimizer steps and generation rounds are counted apart; the LR schedule follows
 optimizer steps.
 
-This version runs the rollout on a single data-parallel replica (data parallel size 1; any TP
-or PP inside the policy); spreading generation over data-parallel replicas comes with the
-multi-node work.
+Distributed (torchrun, any TP x PP x CP x DP): every rank runs the same loader (dataset, seed,
+state), so prompt draws, acceptance and carried-over groups agree everywhere and every rank
+checkpoints the same loader state. Every rank hosts an in-process vLLM engine; an engine spans
+`rollout.tp` consecutive ranks on GPU (vLLM's external launcher; None = parallel.tp) and one rank
+on CPU, so the world holds world_size / rollout_tp engines. Each engine samples a contiguous
+share of a round's prompts, seeded by global prompt position (the samples do not depend on the
+number of engines), and every rank receives every group. Rewards are scored in shares across
+the ranks and gathered, so every loader sees the same scores. Each data-parallel rank trains
+on its slice of every mini-batch (the policy's token-mean normaliser and metrics are global),
+and every rank's bridge streams the full weights into its own engine.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.checkpoint import CheckpointManager
@@ -28,6 +36,7 @@ from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
 from megatron_dapo.data.types import Group, Prompt, Response
 from megatron_dapo.model.policy import TrainSample
+from megatron_dapo.reward import RewardBatch
 
 log = logging.getLogger("megatron_dapo.trainer")
 
@@ -53,6 +62,38 @@ def samples_from_groups(groups: list[Group], adv_eps: float, overlong_filter: bo
     return samples
 
 
+class ShardedScorer:
+    """Scores each call's responses in contiguous shares across the world's ranks and gathers the results.
+
+    Every rank gets the same RewardBatch, so the loaders on every rank accept the same groups even
+    where a verifier's wall-clock limit would strike on one rank only; and each rank scores
+    1/world of the responses instead of all of them. metrics holds the summed counts.
+    """
+
+    COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:
+            return self.pool.score(responses, ground_truths, data_sources)
+        lo, hi = len(responses) * rank // world, len(responses) * (rank + 1) // world
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, self.pool.score(responses[lo:hi], ground_truths[lo:hi], data_sources[lo:hi]))
+        return RewardBatch(
+            scores=[x for p in parts for x in p.scores],
+            acc=[x for p in parts for x in p.acc],
+            preds=[x for p in parts for x in p.preds],
+            status=[x for p in parts for x in p.status],
+            metrics={k: sum(p.metrics.get(k, 0.0) for p in parts) for k in self.COUNTS},
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class Trainer:
     """Builds every component from the config and runs rollout steps."""
 
@@ -65,7 +106,7 @@ class Trainer:
         from megatron_dapo.model.parallel import init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.reward import RewardPool
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine, rollout_tp
         from megatron_dapo.rollout.weight_bridge import WeightBridge
 
         if not cfg.model.hf_path:
@@ -74,17 +115,16 @@ class Trainer:
         hf = Path(cfg.model.hf_path)
         self.arch = ModelArch.from_hf_dir(hf)
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed)
-        if self.layout.dp != 1:
-            raise ConfigError(
-                f"world size {self.layout.world_size} gives data parallel {self.layout.dp}: this trainer "
-                "runs the rollout on one replica, so set parallel.tp x parallel.pp to the world size"
-            )
+        self.rollout_tp = rollout_tp(cfg)
+        _check_distributed(cfg, self.layout.world_size, self.layout.dp, self.rollout_tp)
+        self.num_engines = self.layout.world_size // self.rollout_tp
+        self.engine_id = self.layout.rank // self.rollout_tp  # vLLM groups consecutive ranks into an engine
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         self.policy = MegatronPolicy(cfg, self.arch, self.layout, LazyMegatronWeights(SafetensorsReader(hf), self.arch))
         self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.scorer = RewardPool.from_config(cfg.reward)
+        self.scorer = ShardedScorer(RewardPool.from_config(cfg.reward))
         self.loader = DynamicSamplingLoader.from_config(cfg, self.dataset, self.rollout, self.scorer)
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
@@ -109,40 +149,93 @@ class Trainer:
     def rollout(self, prompts: list[Prompt], n: int) -> list[list[Response]]:
         r = self.cfg.rollout
         self.rollout_calls += 1
-        return self.engine.generate(
-            [p.token_ids for p in prompts],
-            n=n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_response_length,
-            stop_token_ids=[self.tokenizer.eos_token_id],
-            seed=(self.cfg.seed * 1_000_003 + self.rollout_calls * 7919) % 2**31,
-        )
+        seed = (self.cfg.seed * 1_000_003 + self.rollout_calls * 7919) % 2**31
+        return self._generate(prompts, n, seed, r.temperature, r.top_p, r.max_response_length)
+
+    def _generate(
+        self, prompts: list[Prompt], n: int, seed: int, temperature: float, top_p: float, max_tokens: int
+    ) -> list[list[Response]]:
+        """Each engine samples its contiguous share of prompts; every rank gets every group, in prompt order.
+
+        The engine seeds sample j of prompt i of its share seed + i*n + j, and a share starting at
+        prompt lo gets seed + lo*n: a function of the global position, so the samples do not depend
+        on the number of engines. Cost: every response (token ids, logprobs, text; pickled) goes from
+        its engine to every rank, one broadcast per engine. Trivial here; at the paper's scale a round
+        of 1536 prompts x 16 responses of ~5k tokens (up to 20k) at ~20 pickled bytes a token is ~2 GB
+        (up to 10 GB) into every rank, seconds to tens of seconds of pickling against minutes of
+        generation; sending tensors, or only each DP rank's samples, would cut it.
+        """
+        bounds = [len(prompts) * e // self.num_engines for e in range(self.num_engines + 1)]
+        lo, hi = bounds[self.engine_id], bounds[self.engine_id + 1]
+        mine: list[list[Response]] = []
+        if hi > lo:  # more engines than prompts leaves some idle
+            mine = self.engine.generate(
+                [p.token_ids for p in prompts[lo:hi]],
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                stop_token_ids=[self.tokenizer.eos_token_id],
+                seed=seed + lo * n,
+            )
+        if self.num_engines == 1:  # every rank is part of the one engine and holds its output
+            return mine
+        groups: list[list[Response]] = []
+        for e in range(self.num_engines):
+            box = [mine]
+            dist.broadcast_object_list(box, src=e * self.rollout_tp)  # from the engine's first rank
+            groups.extend(box[0])
+        return groups
 
     # ---------------------------------------------------------------- one step
 
+    def _dp_slices(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
+        """This data-parallel rank's slice of every mini-batch: an equal share of its responses (checked at start)."""
+        from megatron.core import parallel_state
+
+        dp, rank, size = self.layout.dp, parallel_state.get_data_parallel_rank(), self.cfg.optim.mini_batch_size
+        slices = []
+        for start in range(0, len(samples), size):
+            batch = samples[start : start + size]
+            share = len(batch) // dp
+            slices.append(batch[rank * share : (rank + 1) * share])
+        return slices
+
+    def _mean_mismatch(self, mismatch: list[torch.Tensor]) -> float:
+        """Mean |rollout logp - old logp| over the step's tokens on every rank (each DP rank's slice counted once)."""
+        from megatron.core import parallel_state
+
+        total = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
+        # the last stage's TP and CP ranks hold copies of the same logprobs: count one
+        first_copy = parallel_state.get_tensor_model_parallel_rank() == 0 == parallel_state.get_context_parallel_rank()
+        if mismatch and first_copy:
+            diffs = torch.cat(mismatch).double()
+            total[0], total[1] = diffs.sum(), diffs.numel()
+        dist.all_reduce(total)
+        return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
     def train_step(self) -> dict[str, float]:
-        """One rollout step; returns its metrics."""
+        """One rollout step; returns its metrics (the whole step's, on every rank)."""
         cfg, t0 = self.cfg, time.perf_counter()
         batch = self.loader.next_batch()
         self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         t_gen = time.perf_counter() - t0
         samples = samples_from_groups(batch.groups, cfg.algorithm.adv_eps, cfg.algorithm.overlong_filter)
+        mini_batches = self._dp_slices(samples)
         temperature = cfg.rollout.temperature
         t1 = time.perf_counter()
-        old = self.policy.compute_logprobs(samples, temperature)
+        mine = [s for mb in mini_batches for s in mb]
+        old = self.policy.compute_logprobs(mine, temperature)
         mismatch = []
         if old is not None:
-            for s, lp in zip(samples, old):
+            for s, lp in zip(mine, old):
                 s.old_logp = lp["logp"]
                 if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
                     mismatch.append((s.rollout_logp - lp["logp"]).abs())
+        mismatch_mean = self._mean_mismatch(mismatch)
         t_old = time.perf_counter() - t1
         t2 = time.perf_counter()
-        per_update = []
-        size = cfg.optim.mini_batch_size
-        for start in range(0, len(samples), size):
-            per_update.append(self.policy.train_step(samples[start : start + size], temperature))
+        per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
         skipped = sum(1 for m in per_update if not m["actor/update_applied"])
         self.nan_in_a_row = self.nan_in_a_row + 1 if skipped else 0
         if self.nan_in_a_row >= cfg.trainer.max_nan_in_a_row:
@@ -168,7 +261,7 @@ class Trainer:
                 "trainer/gen_rounds_total": float(self.gen_rounds),
                 "trainer/updates": float(len(per_update)),
                 "trainer/nan_skipped_updates": float(skipped),
-                "rollout/logp_mismatch_mean": float(torch.cat(mismatch).mean()) if mismatch else 0.0,
+                "rollout/logp_mismatch_mean": mismatch_mean,
                 "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "timing/generate": t_gen,
                 "timing/old_logp": t_old,
@@ -187,22 +280,17 @@ class Trainer:
         top_p: float = 1.0,
         max_tokens: int | None = None,
     ) -> dict[str, float]:
-        """avg@k and pass@k on prompts with the engine's current weights, scored by the reward pool.
+        """avg@k and pass@k on prompts with the engines' current weights, scored by the reward pool.
 
         avg@k: mean correctness over every (problem, sample); pass@k: fraction of problems with at
         least one correct sample. Defaults: one greedy sample (then both are the greedy accuracy).
+        Collective: every rank calls it and gets the same numbers.
         """
         if not prompts:
             raise ValueError("evaluate: no prompts (is data.val_files empty?)")
-        outputs = self.engine.generate(
-            [p.token_ids for p in prompts],
-            n=k,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens or self.cfg.rollout.max_response_length,
-            stop_token_ids=[self.tokenizer.eos_token_id],
-            seed=self.cfg.seed,  # the same samples for the same weights: curves compare step to step
-        )
+        # seed: the same samples for the same weights, so curves compare step to step
+        max_tokens = max_tokens or self.cfg.rollout.max_response_length
+        outputs = self._generate(prompts, k, self.cfg.seed, temperature, top_p, max_tokens)
         scored = self.scorer.score(
             [r.text for group in outputs for r in group],
             [p.ground_truth for p in prompts for _ in range(k)],
@@ -237,6 +325,26 @@ class Trainer:
     def close(self) -> None:
         self.scorer.close()
         self.engine.close()
+
+
+def _check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:
+    """Raise ConfigError for a world the rollout engines or the data-parallel split cannot use."""
+    if world_size % rollout_tp:
+        raise ConfigError(
+            f"rollout.tp={rollout_tp} (null means parallel.tp) does not divide the world size {world_size}: "
+            "each vLLM engine spans rollout.tp consecutive ranks"
+        )
+    if cfg.optim.mini_batch_size % dp:
+        raise ConfigError(
+            f"optim.mini_batch_size={cfg.optim.mini_batch_size} is not divisible by the data-parallel size {dp} "
+            f"(world size {world_size} / parallel.tp x pp x cp): each data-parallel rank trains on an equal share "
+            "of every mini-batch"
+        )
+    if cfg.sampler.mode == "dynamic_bs" and cfg.algorithm.group_size % dp:
+        raise ConfigError(
+            f"algorithm.group_size={cfg.algorithm.group_size} is not divisible by the data-parallel size {dp}: with "
+            "sampler.mode=dynamic_bs a step's last mini-batch holds whole groups and must split evenly over the ranks"
+        )
 
 
 def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:

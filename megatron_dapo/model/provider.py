@@ -163,7 +163,7 @@ def build_optimizer(ddp_chunks: list, cfg: Config):
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
-    # Linear warm-up from 0 over warmup_steps optimizer steps, then constant (as verl's Megatron actor).
+    # Linear warm-up from 0 over warmup_steps optimizer steps, then constant (the paper's schedule).
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

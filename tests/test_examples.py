@@ -1,0 +1,215 @@
+"""The example configs and the generated config reference.
+
+Each example loads and validates, its parallel layout fits the model it names and the world size it
+documents, and the 32B example is the paper's run field by field. README.md's config reference is what
+tools/config_reference.py generates, and lists every field.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib.util
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_dapo.config import Config, ConfigError, load_config
+from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.parallel import check_layout
+from megatron_dapo.model.tiny import TINY_QWEN2
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+# The shape fields of each model's config.json on the Hugging Face Hub (public facts).
+_QWEN2 = {"architectures": ["Qwen2ForCausalLM"]}
+ARCHS = {
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        **_QWEN2,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+    },
+    "Qwen/Qwen2.5-7B": {
+        **_QWEN2,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 131072,
+    },
+    "Qwen/Qwen2.5-32B": {
+        **_QWEN2,
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "vocab_size": 152064,
+        "max_position_embeddings": 131072,
+    },
+    "tiny-qwen2": {**_QWEN2, **TINY_QWEN2, "vocab_size": 300},  # the demo's model (build_tiny_qwen2)
+}
+
+# Yu et al. 2025 (arXiv 2503.14476) section 4.1, and the released verl recipe where the paper is silent.
+PAPER_32B = {
+    "algorithm.group_size": 16,
+    "algorithm.eps_low": 0.2,
+    "algorithm.eps_high": 0.28,
+    "algorithm.dual_clip_c": None,
+    "algorithm.tis_cap": None,
+    "algorithm.loss_agg_mode": "token-mean",
+    "algorithm.dynamic_sampling": True,
+    "algorithm.overlong_punishment": True,
+    "algorithm.overlong_buffer_len": 4096,
+    "algorithm.overlong_penalty_factor": 1.0,
+    "algorithm.overlong_filter": False,
+    "rollout.max_response_length": 16384 + 4096,
+    "rollout.temperature": 1.0,
+    "rollout.top_p": 1.0,
+    "data.max_prompt_length": 2048,  # verl recipe
+    "sampler.train_batch_size": 512,
+    "sampler.gen_batch_size": 3 * 512,  # verl recipe
+    "sampler.max_gen_batches": 10,  # verl recipe
+    "sampler.mode": "fill",
+    "optim.lr": 1e-6,
+    "optim.warmup_steps": 20 * 16,  # 20 rollout steps of 16 optimizer steps; the field counts optimizer steps
+    "optim.weight_decay": 0.1,  # verl recipe
+    "optim.clip_grad": 1.0,  # verl recipe
+    "optim.mini_batch_size": 512,
+    "eval.k": 32,
+    "eval.temperature": 1.0,
+    "eval.top_p": 0.7,
+    # the layout this project runs it with
+    "parallel.tp": 8,
+    "parallel.pp": 2,
+    "parallel.cp": 1,
+    "parallel.vpp": None,
+    "rollout.tp": 8,
+    "model.dtype": "bf16",
+    "model.recompute": "full",
+    "train.max_tokens_per_microbatch": 2048 + 20480,  # one sequence of the longest
+}
+
+
+def header(path: Path) -> dict[str, str]:
+    """The '# model: NAME' and '# world_size: N' lines of an example's opening comment block."""
+    found = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if m := re.fullmatch(r"# (model|world_size): (\S+)", line.strip()):
+            found[m[1]] = m[2]
+    return found
+
+
+def get(cfg: Config, key: str):
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def test_the_examples_are_these():
+    names = [p.name for p in EXAMPLES]
+    assert names == sorted(
+        ["tiny_cpu.yaml", "gsm8k_qwen2.5_1.5b.yaml", "dapo_math_qwen2.5_7b.yaml", "dapo_math_qwen2.5_32b.yaml"]
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_fits_its_model_and_world_size(path):
+    cfg = load_config(path)
+    h = header(path)
+    assert set(h) == {"model", "world_size"}, f"{path.name}: the comment block needs '# model:' and '# world_size:'"
+    arch = ModelArch.from_hf_config(ARCHS[h["model"]], h["model"])
+    world_size = int(h["world_size"])
+    check_layout(arch, cfg.parallel, cfg.model, world_size)
+    # vLLM splits whole attention and KV heads over an engine's ranks, and the world holds whole engines
+    engine_tp = cfg.rollout.tp or cfg.parallel.tp
+    assert world_size % engine_tp == 0
+    assert arch.num_attention_heads % engine_tp == 0 and arch.num_key_value_heads % engine_tp == 0
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    assert longest <= arch.max_position_embeddings
+    assert longest <= cfg.train.max_tokens_per_microbatch  # the memory plan covers the longest sequence
+
+
+def test_32b_example_is_the_papers_run():
+    path = REPO / "examples" / "dapo_math_qwen2.5_32b.yaml"
+    cfg = load_config(path)
+    assert {key: get(cfg, key) for key in PAPER_32B} == PAPER_32B
+    assert cfg.sampler.train_batch_size * cfg.algorithm.group_size // cfg.optim.mini_batch_size == 16  # updates
+    arch = ModelArch.from_hf_config(ARCHS["Qwen/Qwen2.5-32B"])
+    assert header(path)["world_size"] == "128"  # 16 nodes x 8 GPUs
+    assert check_layout(arch, cfg.parallel, cfg.model, 128).dp == 8
+
+
+def _keys(node: dict, prefix: str = "") -> list[str]:
+    """Every key of a nested mapping, sections and leaves, dotted."""
+    keys = []
+    for key, value in node.items():
+        keys.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            keys += _keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def test_a_typo_in_any_key_of_an_example_is_an_error(tmp_path):
+    path = REPO / "examples" / "dapo_math_qwen2.5_32b.yaml"  # the example that sets the most keys
+    data = yaml.safe_load(path.read_text())
+    for key in _keys(data):
+        *sections, name = key.split(".")
+        bad = copy.deepcopy(data)
+        node = functools.reduce(dict.__getitem__, sections, bad)
+        node[name + "x"] = node.pop(name)
+        f = tmp_path / path.name
+        f.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError, match=re.escape(f"unknown config key '{key}x'; did you mean '{key}'?")):
+            load_config(f)
+
+
+def _reference_tool():
+    spec = importlib.util.spec_from_file_location("config_reference", REPO / "tools" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fields(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf field of the config tree, dotted."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name]
+        keys += _fields(sub, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else [f"{prefix}{f.name}"]
+    return keys
+
+
+def test_readme_config_reference_is_current_and_complete():
+    tool = _reference_tool()
+    readme = (REPO / "README.md").read_text()
+    regenerated = tool.replace_between_markers(readme, tool.render())
+    assert regenerated == readme, (
+        "README.md's config reference is stale: python tools/config_reference.py --write README.md"
+    )
+    missing = [key for key in _fields(Config) if f"| `{key}` |" not in readme]
+    assert not missing
+
+
+def test_reference_write_replaces_only_the_marked_text(tmp_path):
+    tool = _reference_tool()
+    f = tmp_path / "README.md"
+    f.write_text(f"# Title\n\n{tool.BEGIN}\nstale\n{tool.END}\n\n## After\n")
+    tool.main(["--write", str(f)])
+    assert f.read_text() == f"# Title\n\n{tool.BEGIN}\n{tool.render()}{tool.END}\n\n## After\n"
+    f.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="config-reference:begin"):
+        tool.main(["--write", str(f)])
