@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=dapo-qwen32b
+#SBATCH --nodes=16
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@2400
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+#
+# DAPO on Qwen2.5-32B base with DAPO-Math-17K: the paper's run (Yu et al. 2025). From the
+# repository root:
+#
+#   MODEL_PATH=/ckpt/qwen2.5-32b-mcore DATA_PATH=/data/dapo-math-17k.parquet VAL_PATH=/data/aime-2024.parquet \
+#       RUN_DIR=/scratch/dapo-32b sbatch [-p PARTITION -A ACCOUNT] slurm/train_qwen32b.sh [dotted.override=value ...]
+#   bash slurm/train_qwen32b.sh --dry-run [overrides]   # in an allocation, or with SLURM_* set by
+#                                                      # hand: print every node's command, run nothing
+#
+# Each node runs `torchrun ... -m megatron_dapo.train --config examples/dapo_math_qwen2.5_32b.yaml
+# trainer.run_dir=RUN_DIR model.hf_path=MODEL_PATH data.train_files=[DATA_PATH]
+# data.val_files=[VAL_PATH] [overrides]` (VAL_PATH=none: eval.every=0 instead, no AIME evaluation).
+# The run: 512 prompts x 16 responses per step, responses up to 20480 tokens = 16384 + a 4096-token
+# soft overlong buffer, clip eps 0.2 / 0.28, AdamW lr 1e-6 warmed up over 20 rollout steps, no KL term.
+#
+# Layout (set in the YAML): 16 nodes x 8 GPUs = 128. parallel.tp=8 keeps tensor parallelism inside
+# a node (NVLink); parallel.pp=2 splits the 64 layers across two nodes; cp=1; data parallel
+# = 128 / (8 x 2) = 8. rollout.tp=8: one vLLM engine per node (16 engines), each generating its share.
+#
+# Why it fits 80 GB GPUs (estimates; Qwen2.5-32B has ~32.8B parameters, 1/16 of them per GPU):
+#   weights bf16 4.1 GB + gradient buffer fp32 8.2 GB + master weights and Adam moments (12 B per
+#   parameter) sharded over the 8 data-parallel ranks by the distributed optimizer 3.1 GB = ~15 GB
+#   that stays resident. vLLM lives in the same processes and sleeps while Megatron trains (KV
+#   cache freed, weights offloaded or dropped), so training gets the rest; while vLLM generates, Megatron's
+#   activations are gone and vLLM's share holds its TP-8 weights (8.2 GB) and the KV cache (32 KiB
+#   per token per GPU). PP=2 halves the resident part (PP=1: ~27 GB), which is what leaves vLLM room.
+#   A 20k-token micro-batch keeps ~0.5 GB of activations per layer without recompute, ~15 GB per
+#   micro-batch in flight on 32 layers (1F1B holds up to two); model.recompute=full keeps only each
+#   layer's input (~1 GB) and recomputes the rest in the backward pass.
+#   Longer responses: parallel.cp=2 splits every sequence over two GPUs (data parallel drops to 4);
+#   context parallelism needs Transformer Engine.
+#
+# Time limit, preemption, requeue: the run saves and resumes by itself.
+#   1. --signal=B:USR1@2400: 40 min before the time limit Slurm sends SIGUSR1 to this batch shell
+#      only ("B:"), not to the job step.
+#   2. The shell's trap forwards it once to srun, which forwards it to its tasks: slurmstepd
+#      signals every process of the step on every node (proctrack/cgroup; with proctrack/pgid only
+#      the task itself, torchrun).
+#   3. torchrun must neither die of it (SIGUSR1's default action kills the agent, and the step's
+#      workers with it) nor kill the workers while they save. --signals-to-handle adds SIGUSR1 to
+#      the signals the agent catches; it then sends the signal to each worker's process group and
+#      waits --shutdown-timeout seconds before SIGKILL. That timeout defaults to 30 s (or
+#      TORCH_ELASTIC_SHUTDOWN_TIMEOUT), far less than a 32B step plus a save: SAVE_GRACE_S sets it.
+#   4. megatron_dapo.train catches SIGUSR1/SIGTERM: every rank finishes the step in flight, they
+#      agree to stop (all-reduce), save run_dir/checkpoints/step_N, and exit 0. torchrun still
+#      exits 1 (it re-raises the signal), so the decision below does not read its status.
+#   5. After srun: run_dir/FINISHED (written at trainer.total_steps) -> done, exit 0. SIGUSR1 came
+#      and checkpoints/latest moved during this job -> `scontrol requeue`: the job goes back to the
+#      queue under the same id and the next attempt resumes from latest (trainer.resume=true).
+#      SIGUSR1 but no new checkpoint -> exit 1, no requeue (another attempt could make no more progress).
+#      No stop signal -> a failure: exit non-zero, never requeued.
+#   Lead time: 40 min must cover the rest of the step in flight plus the save. tools/estimate_step_time.py
+#   with assumed H100 rates gives 6-11 min per step at mean response lengths of 1k-5k tokens; a step
+#   that needs 3 generation rounds, each as long as one 20k-token response decoding alone, reaches
+#   ~25 min. The save writes ~460 GB (bf16 weights, fp32 master weights and Adam moments): minutes
+#   on a parallel file system. Too short loses the work since the last periodic save; too long idles
+#   at most 40 min of a 24 h slot. Check max `timing/step` in RUN_DIR/metrics.jsonl and change both
+#   together: sbatch --signal=B:USR1@SECONDS, SAVE_GRACE_S=SECONDS.
+#   By hand: `scancel --batch --signal=USR1 JOB` saves and requeues now; `--signal=USR2` saves and
+#   ends. SIGTERM (scancel, the time limit itself, preemption) reaches every process at once: the
+#   trainer saves if Slurm's KillWait/GraceTime allows, this shell keeps waiting for srun (its
+#   exit would end the job and kill the step) and requeues nothing (preemption with
+#   PreemptMode=REQUEUE requeues the job itself).
+#
+# Logs: RUN_DIR/logs/JOB_ID/attempt_N/ (N = SLURM_RESTART_COUNT): batch.log (this script's
+# decisions), nodeK.log (node K's output, ranks prefixed [defaultL]:), torchrun/nodeK/ (per-rank
+# files). Progress: RUN_DIR/metrics.jsonl and TensorBoard in RUN_DIR/tensorboard.
+set -euo pipefail
+
+# Settings; the environment wins. Relative paths are taken from REPO_DIR.
+REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}   # sbatch runs a copy of this file: submit from the repo root
+MODEL_PATH=${MODEL_PATH:-}                         # required: Qwen2.5-32B base, HF or Megatron (convert_checkpoint.sh) dir
+DATA_PATH=${DATA_PATH:-}                           # required: DAPO-Math-17K prompts (parquet or jsonl)
+VAL_PATH=${VAL_PATH:-}                             # required: AIME 2024 for avg@32 every 5 steps, or none
+RUN_DIR=${RUN_DIR:-runs/dapo_math_qwen2.5_32b}     # checkpoints, metrics, FINISHED
+LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
+CONFIG=${CONFIG:-examples/dapo_math_qwen2.5_32b.yaml}
+VENV=${VENV:-$REPO_DIR/.venv}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+RDZV_PORT=${RDZV_PORT:-29500}
+SAVE_GRACE_S=${SAVE_GRACE_S:-2400}                 # torchrun's wait for workers after a signal; >= the --signal lead
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+require() { # NAME WHAT: NAME must be set and non-empty
+    [[ -n ${!1:-} ]] || die "$1 is not set: expected $2"
+}
+require_int() { # NAME: a positive integer
+    [[ ${!1} =~ ^[1-9][0-9]*$ ]] || die "$1='${!1}': expected a positive integer"
+}
+quote() { # the words as one line that a shell splits back into the same words
+    local out=() w
+    for w in "$@"; do
+        if [[ $w =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("'${w//\'/\'\\\'\'}'"); fi
+    done
+    printf '%s\n' "${out[*]}"
+}
+
+dry_run=0
+case ${1:-} in
+    --dry-run) dry_run=1 && shift ;;
+    -h | --help)
+        sed -n '/^# /,/^set -euo/s/^#\( \|$\)//p' "${BASH_SOURCE[0]}"
+        exit 0
+        ;;
+esac
+for arg in "$@"; do
+    [[ $arg == *=* && $arg != -* ]] ||
+        die "argument '$arg': expected a dotted config override key=value (e.g. trainer.total_steps=200); --dry-run goes first"
+done
+
+require SLURM_JOB_ID "the Slurm job id: submit with sbatch or run inside salloc (any value for --dry-run)"
+require SLURM_JOB_NODELIST "the job's node list, e.g. gpu[001-016] (set by Slurm)"
+require SLURM_NNODES "the number of nodes in the job (set by Slurm)"
+require MODEL_PATH "the Qwen2.5-32B base checkpoint directory: Hugging Face, or Megatron from slurm/convert_checkpoint.sh hf-to-megatron"
+require DATA_PATH "the DAPO-Math-17K prompt file (parquet or jsonl)"
+require VAL_PATH "the AIME 2024 file evaluated every eval.every steps (parquet or jsonl), or 'none' for no evaluation"
+for name in SLURM_NNODES GPUS_PER_NODE RDZV_PORT SAVE_GRACE_S; do require_int "$name"; done
+
+[[ -f $REPO_DIR/megatron_dapo/train.py ]] ||
+    die "REPO_DIR=$REPO_DIR has no megatron_dapo/train.py: submit from the repository root or set REPO_DIR"
+cd "$REPO_DIR"
+REPO_DIR=$(pwd -P)
+MODEL_PATH=$(realpath -m -- "$MODEL_PATH")
+DATA_PATH=$(realpath -m -- "$DATA_PATH")
+RUN_DIR=$(realpath -m -- "$RUN_DIR")
+LOG_DIR=$(realpath -m -- "$LOG_DIR")
+[[ -f $CONFIG ]] || die "CONFIG=$CONFIG: no such file in $REPO_DIR"
+[[ -x $VENV/bin/torchrun ]] || die "VENV=$VENV has no bin/torchrun: expected the project's virtualenv (make test creates .venv)"
+[[ -f $MODEL_PATH/config.json ]] ||
+    die "MODEL_PATH=$MODEL_PATH has no config.json: expected a Hugging Face model or a converted Megatron checkpoint directory"
+[[ -f $DATA_PATH ]] || die "DATA_PATH=$DATA_PATH: no such file"
+if [[ $VAL_PATH == none ]]; then
+    validation=(eval.every=0)
+else
+    VAL_PATH=$(realpath -m -- "$VAL_PATH")
+    [[ -f $VAL_PATH ]] || die "VAL_PATH=$VAL_PATH: no such file (VAL_PATH=none turns evaluation off)"
+    validation=("data.val_files=[$VAL_PATH]")
+fi
+
+command -v scontrol >/dev/null || die "scontrol not found on PATH: it expands SLURM_JOB_NODELIST"
+hostnames=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
+    die "scontrol show hostnames '$SLURM_JOB_NODELIST' failed: expected a Slurm node list"
+mapfile -t hosts <<<"$hostnames"
+((${#hosts[@]} == SLURM_NNODES)) ||
+    die "SLURM_NNODES=$SLURM_NNODES but SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST holds ${#hosts[@]} hosts"
+head_node=${hosts[0]}
+
+job_log=$LOG_DIR/$SLURM_JOB_ID/attempt_${SLURM_RESTART_COUNT:-0}
+train=(-m megatron_dapo.train --config "$CONFIG" "trainer.run_dir=$RUN_DIR" "model.hf_path=$MODEL_PATH"
+    "data.train_files=[$DATA_PATH]" "${validation[@]}" "$@")
+torchrun_args=(--nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" --rdzv-backend=c10d
+    --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0
+    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$SAVE_GRACE_S" --tee=3
+    "${train[@]}")
+node_args=("$job_log/torchrun" "$VENV/bin/torchrun" "${torchrun_args[@]}")
+# Since Slurm 22.05 a step does not inherit the job's CPUs per task: give the one task the whole node.
+srun_cmd=(srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1
+    ${SLURM_CPUS_ON_NODE:+"--cpus-per-task=$SLURM_CPUS_ON_NODE"} --kill-on-bad-exit=1
+    --chdir="$REPO_DIR" --output="$job_log/node%n.log" bash "$REPO_DIR/slurm/torchrun_node.sh" "${node_args[@]}")
+
+if ((dry_run)); then
+    echo "# srun, run once by the batch script on $head_node:"
+    quote "${srun_cmd[@]}"
+    for i in "${!hosts[@]}"; do
+        echo "# node $i of $SLURM_NNODES: ${hosts[i]}$( ((i > 0)) || echo " (rendezvous host)")"
+        SLURM_NODEID=$i bash "$REPO_DIR/slurm/torchrun_node.sh" --print "${node_args[@]}"
+    done
+    exit 0
+fi
+
+mkdir -p "$job_log"
+log() {
+    echo "[$(date '+%F %T')] $*" | tee -a "$job_log/batch.log"
+}
+latest() { # the checkpoint that checkpoints/latest names, or nothing
+    cat "$RUN_DIR/checkpoints/latest" 2>/dev/null || true
+}
+
+# A FINISHED left by an earlier launch (e.g. before trainer.total_steps was raised) must not mark this one done.
+rm -f "$RUN_DIR/FINISHED"
+latest_before=$(latest)
+stop_signal=""
+srun_pid=""
+# shellcheck disable=SC2317  # called by the traps below
+on_signal() { # SIG: remember the first stop signal; pass USR1/USR2 on to the step as SIGUSR1
+    [[ -z $stop_signal ]] || return 0
+    stop_signal=$1
+    log "got SIG$1"
+    # SIGTERM is not passed on: Slurm sends it to every process, and a second one cuts torchrun's wait short.
+    if [[ $1 != TERM && -n $srun_pid ]]; then kill -USR1 "$srun_pid" 2>/dev/null || true; fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal USR2' USR2
+trap 'on_signal TERM' TERM
+
+log "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs," \
+    "rendezvous $head_node:$RDZV_PORT, run dir $RUN_DIR, latest checkpoint: ${latest_before:-none}, logs: $job_log"
+log "$(quote "${srun_cmd[@]}")"
+"${srun_cmd[@]}" &
+srun_pid=$!
+# wait returns early when a trapped signal arrives; keep waiting until srun itself has ended
+while :; do
+    rc=0
+    wait "$srun_pid" || rc=$?
+    kill -0 "$srun_pid" 2>/dev/null || break
+done
+
+if [[ -f $RUN_DIR/FINISHED ]]; then
+    log "run finished at step $(<"$RUN_DIR/FINISHED")"
+    exit 0
+fi
+latest_now=$(latest)
+case $stop_signal in
+    USR1 | USR2)
+        if [[ $latest_now == "$latest_before" ]]; then
+            log "stopped by SIG$stop_signal but no checkpoint was saved in this job (srun status $rc, latest:" \
+                "${latest_now:-none}): not requeued"
+            exit 1
+        fi
+        if [[ $stop_signal == USR2 ]]; then
+            log "stopped by SIGUSR2 after saving $latest_now; not requeued"
+            exit 0
+        fi
+        log "saved $latest_now before the time limit: requeueing job $SLURM_JOB_ID, the next attempt resumes from it"
+        scontrol requeue "$SLURM_JOB_ID" || {
+            log "scontrol requeue $SLURM_JOB_ID failed: resubmit by hand, the run resumes from $latest_now"
+            exit 1
+        }
+        exit 0
+        ;;
+    TERM)
+        log "terminated by SIGTERM (scancel, time limit or preemption), srun status $rc, latest: ${latest_now:-none}; not requeued"
+        exit 143
+        ;;
+    *)
+        log "training failed with srun status $rc before trainer.total_steps, without a stop signal: not requeued;" \
+            "see $job_log"
+        exit $((rc == 0 ? 1 : rc))
+        ;;
+esac
