@@ -387,3 +387,19 @@ def test_pool_replaces_a_worker_that_died_between_calls():
         victim.join()
         batch = pool.score(["a", "b"], ["a", "b"], ["src", "src"])
         assert batch.status == ["ok", "ok"] and batch.scores == [1.0, 1.0]  # no response is blamed for it
+
+
+def test_pool_workers_outlive_the_stop_signals():
+    """Slurm and torchrun signal the whole process group; the trainer finishes its step, which scores."""
+    import os
+    import signal
+
+    with RewardPool(num_workers=2, verifier="reward_helpers:exact") as pool:
+        assert pool.score(["a"], ["a"], ["src"]).status == ["ok"]
+        for w in pool._workers:
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+                os.kill(w.proc.pid, sig)
+        time.sleep(0.5)
+        assert all(w.proc.is_alive() for w in pool._workers)
+        batch = pool.score(["a", "b", "c"], ["a", "x", "c"], ["src"] * 3)
+        assert batch.status == ["ok"] * 3 and batch.scores == [1.0, -1.0, 1.0]

@@ -89,7 +89,10 @@ def _address_space_mb() -> float:
 
 def _prepare_worker(configured: str, memory_mb: int) -> None:
     """Imports and warms up the verifiers, then caps the address space. Raises on failure."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
+    # Ctrl-C and the stop signals (Slurm and torchrun deliver them to the whole process group) are the
+    # trainer's to handle: it finishes its step, which needs us, and then closes us (EOF, or SIGKILL)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we bound time here
     if configured in ("auto", "math_verify"):
         select_verifier("", "math_verify", math_verify_timeout_s=None)("\\boxed{1}", "1")  # import + first-call cost
