@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -29,6 +30,10 @@ from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.logprobs import token_entropy, token_logprobs
 from megatron_dapo.model.parallel import Layout
+
+# megatron-core's distributed optimizer clears the .grad of its (non-leaf) fp32 shard views in
+# zero_grad; torch warns on every step about a read that is harmless there
+warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
 
 
 @dataclass
