@@ -1,4 +1,4 @@
-"""Shared by the conversion tests: run the conversion tools through their real CLI, and a Megatron logits worker.
+"""Shared by the conversion tests: run the conversion tools through their real CLI, and two Megatron workers.
 
 As a script (Megatron runs only in subprocesses, away from pytest's process), it loads each given
 converted checkpoint into a GPTModel built at TP=1, PP=1 in float32 and saves its logits for the given
@@ -7,6 +7,13 @@ tokens:
     python tests/convert_helpers.py --tokens tokens.pt --out logits.pt CKPT_DIR [CKPT_DIR ...]
 
 tokens.pt holds a [b, s] long tensor; logits.pt a dict {CKPT_DIR: [b, s, vocab] float32 logits}.
+
+Under torchrun, with train-checkpoint first, it writes a training run's checkpoint as the trainer does:
+a MegatronPolicy built from HF_DIR's weights takes one DAPO train step and megatron_dapo.checkpoint's
+CheckpointManager saves it (model and optimizer) as RUN/checkpoints/step_00000001, next to RUN/config.yaml;
+OUT gets the trained policy's weights as full Hugging Face tensors (what the checkpoint holds):
+
+    torchrun --nproc-per-node N tests/convert_helpers.py train-checkpoint HF_DIR RUN OUT [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -68,6 +75,66 @@ def megatron_logits(ckpts: list[Path], tokens, out: Path) -> dict:
     return torch.load(out)
 
 
+def training_checkpoint(hf_dir: Path, run: Path, out: Path, nproc: int, *overrides: str) -> dict:
+    """Run this file's train-checkpoint worker on nproc ranks; returns the checkpointed weights {HF name: tensor}."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+    cmd += [__file__, "train-checkpoint", str(hf_dir), str(run), str(out), *overrides]
+    proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"train-checkpoint worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return torch.load(out)
+
+
+def _training_worker(argv: list[str]) -> None:
+    import torch
+
+    from megatron_dapo.checkpoint import CheckpointManager
+    from megatron_dapo.config import load_config, to_yaml
+    from megatron_dapo.convert.checkpoint_io import SafetensorsReader
+    from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
+    from megatron_dapo.model.arch import ModelArch
+    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.model.policy import MegatronPolicy, TrainSample
+    from megatron_dapo.model.provider import tp_gathered_tensors
+
+    hf_dir, run, out, *overrides = argv
+    base = ["model.dtype=fp32", "optim.lr=1e-2", "optim.warmup_steps=0", f"model.hf_path={hf_dir}"]
+    cfg = load_config(overrides=[*base, f"trainer.run_dir={run}", *overrides])
+    arch = ModelArch.from_hf_dir(hf_dir)
+    layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
+    policy = MegatronPolicy(cfg, arch, layout, hf_to_megatron(dict(SafetensorsReader(hf_dir)), arch))
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        TrainSample(
+            prompt_ids=torch.randint(0, arch.vocab_size, (4,), generator=g).tolist(),
+            response_ids=torch.randint(0, arch.vocab_size, (6,), generator=g).tolist(),
+            advantage=1.0 if i % 2 else -1.0,
+        )
+        for i in range(4)
+    ]
+    first = policy.compute_logprobs(samples, 1.0)
+    if first is not None:  # the last pipeline stage
+        for s, f in zip(samples, first):
+            s.old_logp = f["logp"]
+    assert policy.train_step(samples, 1.0)["actor/update_applied"] == 1.0
+    if layout.rank == 0:
+        Path(run).mkdir(parents=True, exist_ok=True)
+        (Path(run) / "config.yaml").write_text(to_yaml(cfg))  # as megatron_dapo.train does
+    CheckpointManager(Path(run) / "checkpoints").save(policy, 1, {})
+    weights = {}
+    for name, tensor in tp_gathered_tensors(policy.model, arch, layout).items():
+        weights.update(megatron_to_hf(name, tensor, arch))
+    if layout.rank == 0:
+        torch.save({name: t.clone() for name, t in weights.items()}, out)
+    destroy_parallel()
+
+
 def _worker() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", required=True)
@@ -101,4 +168,7 @@ def _worker() -> None:
 
 
 if __name__ == "__main__":
-    _worker()
+    if sys.argv[1:2] == ["train-checkpoint"]:
+        _training_worker(sys.argv[2:])
+    else:
+        _worker()

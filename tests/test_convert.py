@@ -1,9 +1,10 @@
-"""HF <-> Megatron conversion tools: bit-exact round trips at TP=1 and TP=2, logits, and their errors.
+"""HF <-> Megatron conversion tools: bit-exact round trips at TP=1 and TP=2, logits, training checkpoints, errors.
 
 The tools run through their real command line in subprocesses (Megatron stays out of pytest's
 process). Tiny models: Qwen2 with untied embeddings and QKV bias in one safetensors file, Llama with
 tied embeddings in sharded safetensors, vocabulary 300 so that its padding differs between TP=1 (384)
-and TP=2 (512) and the TP=2 -> TP=1 load must reshard the vocabulary too.
+and TP=2 (512) and the TP=2 -> TP=1 load must reshard the vocabulary too. A training checkpoint is
+written by the trainer's own CheckpointManager after one train step at TP=2 (in a torchrun worker).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_helpers import megatron_logits, run_all_ok, run_tool
+from convert_helpers import megatron_logits, run_all_ok, run_tool, training_checkpoint
 from megatron_helpers import tiny_hf_model
 
 from megatron_dapo.convert.checkpoint_io import (
@@ -22,6 +23,8 @@ from megatron_dapo.convert.checkpoint_io import (
     SafetensorsReader,
     ShardWriter,
     parse_size,
+    resolve_megatron_checkpoint,
+    training_step_dir,
 )
 
 FAMILIES = {
@@ -157,6 +160,86 @@ def test_checkpoint_directory(hf_models, megatron_ckpts):
     assert not (forced / "stale.txt").exists()
 
 
+# ---------------------------------------------------------------- training checkpoints
+
+
+@pytest.fixture(scope="module")
+def training_run(hf_models, workdir) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(run directory as megatron_dapo.train leaves it, the weights its checkpoint holds as HF tensors).
+
+    The Qwen2 model trained one DAPO step at TP=2 (lr 1e-2, so every tensor moves), saved as
+    run/checkpoints/step_00000001 with run/config.yaml naming the HF model in model.hf_path.
+    """
+    run = workdir / "run"
+    trained = training_checkpoint(hf_models["qwen2"][0], run, workdir / "trained.pt", 2, "parallel.tp=2")
+    return run, trained
+
+
+def test_a_training_run_converts_to_the_weights_its_checkpoint_holds(training_run, hf_models, workdir):
+    run, trained = training_run
+    src = hf_models["qwen2"][0]
+    out = workdir / "back_training"
+    (stdout,) = run_all_ok([("convert_megatron_to_hf", ["--megatron", str(run), "--out", str(out)])])
+    assert "training checkpoint step_00000001, saved by 2 rank(s) at tp=2 pp=1" in stdout
+    back, original = SafetensorsReader(out), SafetensorsReader(src)
+    assert set(back) == set(trained) == set(original)
+    for name, tensor in trained.items():
+        assert back[name].dtype == torch.float32, name
+        assert torch.equal(back[name], tensor), name
+        assert not torch.equal(tensor, original[name]), name  # trained: not just the HF weights again
+    # config.json, generation config and tokenizer from the HF model the run's config.yaml names
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in ("generation_config.json", *TOKENIZER_FILES):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert not (out / "megatron_dapo.json").exists()
+
+
+def test_which_training_step_is_converted_and_refusals(training_run, hf_models, megatron_ckpts, tmp_path):
+    run, _ = training_run
+    src = hf_models["qwen2"][0]
+    step1 = run / "checkpoints" / "step_00000001"
+    for path in (run, run / "checkpoints", step1):
+        source = resolve_megatron_checkpoint(path)
+        assert (source.step, source.dist_dir, source.hf_dir, source.dtype) == (step1, step1 / "dist", src, "fp32")
+        assert source.arch.family == "qwen2"
+
+    # checkpoints of a run without config.yaml: steps 1 and 2 complete, 3 interrupted mid-save
+    ckpts = tmp_path / "checkpoints"
+    for n in (1, 2, 3):
+        shutil.copytree(step1, ckpts / f"step_{n:08d}")
+    (ckpts / "step_00000003" / "COMPLETE").unlink()
+    assert training_step_dir(ckpts) == ckpts / "step_00000002"  # no `latest`: the newest complete one
+    (ckpts / "latest").write_text("step_00000001\n")
+    assert training_step_dir(ckpts) == ckpts / "step_00000001"  # `latest` names it
+    source = resolve_megatron_checkpoint(ckpts, src)
+    assert (source.step, source.hf_dir) == (ckpts / "step_00000001", src)
+    assert source.saved == "training checkpoint step_00000001, saved by 2 rank(s)"  # no run config: no layout
+
+    def error(path, hf_config=None) -> str:
+        with pytest.raises(ConvertError) as e:
+            resolve_megatron_checkpoint(path, hf_config)
+        return str(e.value)
+
+    msg = error(ckpts / "step_00000003", src)
+    assert f"{ckpts / 'step_00000003'} is an incomplete training checkpoint" in msg and "COMPLETE" in msg
+    msg = error(ckpts)
+    assert str(ckpts / "step_00000001") in msg and str(tmp_path / "config.yaml") in msg and "--hf-config" in msg
+    msg = error(ckpts, tmp_path)
+    assert f"--hf-config names {tmp_path}, which has no config.json" in msg
+    assert "--hf-config is for training checkpoints" in error(megatron_ckpts[("qwen2", 1)][0], src)
+    for n in (1, 2):
+        (ckpts / f"step_{n:08d}" / "COMPLETE").unlink()
+    msg = error(ckpts, src)
+    assert f"{ckpts} holds no complete training checkpoint" in msg and "step_00000003" in msg
+    assert training_step_dir(tmp_path / "elsewhere") is None
+
+    # through the command line: one 'error:' line naming the checkpoint and what to pass
+    (ckpts / "step_00000002" / "COMPLETE").write_text("2\n")
+    err = _fails("convert_megatron_to_hf", "--megatron", str(ckpts), "--out", str(tmp_path / "out"))
+    assert err.startswith("error: ") and str(ckpts / "step_00000002") in err and "--hf-config" in err
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- refusals and errors
 
 
@@ -235,7 +318,8 @@ def test_tp_must_divide_the_query_groups(hf_models, tmp_path):
 def test_help(tool):
     proc = run_tool(tool, "--help")
     assert proc.returncode == 0
-    for flag in ("--out", "--dtype", "--force", *(("--hf", "--tp", "--pp") if "hf_to" in tool else ("--megatron",))):
+    flags = ("--hf", "--tp", "--pp") if "hf_to" in tool else ("--megatron", "--hf-config")
+    for flag in ("--out", "--dtype", "--force", *flags):
         assert flag in proc.stdout, flag
     if tool == "convert_megatron_to_hf":
         assert "--max-shard-size" in proc.stdout

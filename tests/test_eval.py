@@ -23,7 +23,7 @@ from convert_helpers import run_ok, run_tool  # noqa: E402
 from rollout_helpers import hf_greedy, load_hf_model  # noqa: E402
 
 from megatron_dapo.config import load_config, to_yaml  # noqa: E402
-from megatron_dapo.convert.checkpoint_io import read_metadata  # noqa: E402
+from megatron_dapo.convert.checkpoint_io import ConvertError  # noqa: E402
 from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -155,7 +155,7 @@ def test_megatron_checkpoint_from_parquet_gives_the_same_results(megatron_ckpt, 
     assert f"avg@4 {summary['avg@4']:.4f} | pass@4 {summary['pass@4']:.4f} | 6 problems, 24 responses" in proc.stdout
 
 
-def test_a_training_checkpoint_is_staged_for_the_converter(model_dir, megatron_ckpt, work):
+def test_a_training_checkpoint_goes_to_the_converter_with_its_hf_files(model_dir, megatron_ckpt, work, monkeypatch):
     """run/checkpoints/step_N/dist (here: a converted model's dist checkpoint) + the run's config.yaml."""
     import shutil
 
@@ -168,11 +168,18 @@ def test_a_training_checkpoint_is_staged_for_the_converter(model_dir, megatron_c
     (run / "config.yaml").write_text(to_yaml(load_config(overrides=[f"model.hf_path={model_dir}", "parallel.tp=2"])))
     assert eval_tool.find_model(str(run), None) == ("training", step, model_dir)
     assert eval_tool.find_model(str(step), str(model_dir)) == ("training", step, model_dir)
-    staged = eval_tool._stage_training_checkpoint(step, model_dir, work / "staged")
-    meta = read_metadata(staged)  # what convert_megatron_to_hf.py checks first
-    assert (meta.family, meta.tp, meta.pp, meta.dtype) == ("qwen2", 2, 1, "fp32")
-    assert Path(meta.model_dir) == (step / "dist").absolute()
-    assert (staged / "config.json").read_text() == (model_dir / "config.json").read_text()
+
+    calls = []
+    monkeypatch.setattr(eval_tool.convert_megatron_to_hf, "main", lambda argv: calls.append(argv) or 0)
+    assert eval_tool.to_hf("training", step, model_dir, work / "tmp") == work / "tmp" / "hf"
+    assert calls == [["--megatron", str(step), "--hf-config", str(model_dir), "--out", str(work / "tmp" / "hf")]]
+    converter = eval_tool.convert_megatron_to_hf
+    source, _ = converter.validate(converter.parse_args(calls[0]))  # what the conversion then reads
+    assert (source.step, source.dist_dir, source.hf_dir, source.dtype) == (step, step / "dist", model_dir, "fp32")
+
+    (run / "config.yaml").unlink()  # no run config and no --hf-config: the converter's message
+    with pytest.raises(ConvertError, match="pass --hf-config"):
+        eval_tool.find_model(str(run), None)
 
 
 def test_bad_inputs_fail_fast_naming_the_path(model_dir, problems, work, capsys):

