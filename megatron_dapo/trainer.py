@@ -206,9 +206,8 @@ class Trainer:
         from megatron.core import parallel_state
 
         total = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
-        # the last stage's TP and CP ranks hold copies of the same logprobs: count one
-        first_copy = parallel_state.get_tensor_model_parallel_rank() == 0 == parallel_state.get_context_parallel_rank()
-        if mismatch and first_copy:
+        tp_rank, cp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank()
+        if mismatch and tp_rank == 0 and cp_rank == 0:  # the last stage's TP and CP ranks hold the same logprobs
             diffs = torch.cat(mismatch).double()
             total[0], total[1] = diffs.sum(), diffs.numel()
         dist.all_reduce(total)
@@ -323,6 +322,7 @@ class Trainer:
         return self.checkpoints.save(self.policy, self.step, state)
 
     def close(self) -> None:
+        """The last call: the engine's shutdown takes torch.distributed's world with it."""
         self.scorer.close()
         self.engine.close()
 

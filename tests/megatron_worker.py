@@ -10,12 +10,12 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
   memory the sync added (VmHWM reset before it, against VmRSS before it).
 - serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
-  through the bridge, then generates greedily (no training).
+  through the bridge, then generates greedily (no training). Engines run in-process, one per rank.
 - resume: train, checkpoint, train on; a fresh policy resumed from the checkpoint trains the same
   step; then the newest checkpoint is corrupted and a resume falls back to the previous one.
 - nan: a mini-batch whose loss is NaN is skipped (weights, optimizer and LR schedule untouched);
   the next finite one trains.
-- vllm: a vLLM engine (a child process of rank 0, serving --case's HF checkpoint) generates,
+- vllm: a vLLM engine (one per rank, in-process, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
 """
@@ -222,93 +222,31 @@ def bridge(policy, cfg, arch, layout) -> dict:
     }
 
 
-def _vllm_server(conn, model_dir: str, load_format: str = "auto") -> None:
-    """A vLLM engine in its own process: ('generate', kwargs) / ('update', bucket) / ('finish',) / ('stop',)."""
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(key, None)  # not part of the trainer's torch.distributed world
+def _engine(model_dir: str, load_format: str = "auto"):
+    """This rank's in-process engine: every rank builds one (vLLM's set-up is collective over the world)."""
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg[0] == "generate":
-            conn.send(engine.generate(**msg[1]))
-        elif msg[0] == "update":
-            engine.update_weights(msg[1])
-            conn.send("ok")
-        elif msg[0] == "finish":
-            engine.finish_weight_update()
-            conn.send("ok")
-        else:
-            break
-
-
-class _RemoteEngine:
-    """The bridge's view of the engine process; only rank 0 talks to it, the other ranks just stream."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def update_weights(self, bucket) -> None:
-        if self.conn is not None:
-            self.conn.send(("update", [(n, t.clone()) for n, t in bucket]))
-            assert self.conn.recv() == "ok"
-
-    def finish_weight_update(self) -> None:
-        if self.conn is not None:
-            self.conn.send(("finish",))
-            assert self.conn.recv() == "ok"
-
-    def generate(self, **kwargs):
-        self.conn.send(("generate", kwargs))
-        return self.conn.recv()
-
-
-def _start_engine(layout, model_dir: str, load_format: str = "auto"):
-    """Rank 0 starts the engine process; every rank gets a handle (only rank 0's talks)."""
-    import multiprocessing as mp
-
-    conn = proc = None
-    if layout.rank == 0:
-        ctx = mp.get_context("spawn")
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_vllm_server, args=(child, model_dir, load_format), daemon=True)
-        proc.start()
-        assert conn.recv() == "ready"
-    return _RemoteEngine(conn), proc
+    return VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
 
 
 def vllm_serve(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
-    import torch.distributed as dist
-
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
-    engine, proc = _start_engine(layout, model_dir, load_format="dummy")
+    engine = _engine(model_dir, load_format="dummy")
     sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
-    greedy = None
-    if engine.conn is not None:
-        greedy = engine.generate(
-            prompts=[s.prompt_ids for s in samples], n=1, temperature=0.0, top_p=1.0, max_tokens=16
-        )
-        engine.conn.send(("stop",))
-        proc.join(timeout=30)
-    shared = [greedy]
-    dist.broadcast_object_list(shared, src=0)
-    return {"greedy": [g[0].token_ids for g in shared[0]], "sync": sync, "megatron": "last stage"}
+    greedy = engine.generate([s.prompt_ids for s in samples], n=1, temperature=0.0, top_p=1.0, max_tokens=16)
+    engine.close()  # last: an in-process engine's shutdown destroys the torch.distributed world
+    return {"greedy": [g[0].token_ids for g in greedy], "sync": sync, "megatron": "last stage"}
 
 
 def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
-    import torch.distributed as dist
-
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
-    engine, proc = _start_engine(layout, model_dir)
-    conn = engine.conn
+    engine = _engine(model_dir)
     prompts = [s.prompt_ids for s in samples]
     greedy = dict(prompts=prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=12)
     sampled = dict(prompts=prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=7)
-    before = engine.generate(**greedy) if conn else None
+    before = engine.generate(**greedy)
     for s in samples:  # a big on-policy step: positive advantages on the batch's own responses
         s.advantage, s.in_loss = 1.0, True
     first = policy.compute_logprobs(samples, 1.0)
@@ -317,15 +255,10 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
             s.old_logp = lp["logp"]
     metrics = policy.train_step(samples, 1.0)
     sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
-    after = engine.generate(**greedy) if conn else None
-    drawn = engine.generate(**sampled) if conn else None
-    shared = [before, after, drawn]
-    dist.broadcast_object_list(shared, src=0)
-    before, after, drawn = shared
-    if conn is not None:
-        conn.send(("stop",))
-        proc.join(timeout=30)
-    # the policy (new weights) scores what the engine generated after the sync
+    after = engine.generate(**greedy)
+    drawn = engine.generate(**sampled)
+    # the policy (new weights) scores what the engine generated after the sync (the same on every rank: same
+    # weights, same seeds, so the tensor-parallel ranks score the same samples)
     from megatron_dapo.model.policy import TrainSample
 
     scored = [
@@ -334,6 +267,7 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         for r in group
     ]
     megatron = policy.compute_logprobs(scored, 1.0)
+    engine.close()  # last: an in-process engine's shutdown destroys the torch.distributed world
     return {
         "before": [[r.token_ids for r in g] for g in before],
         "after": [[r.token_ids for r in g] for g in after],

