@@ -217,6 +217,7 @@ class Trainer:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
         cfg, t0 = self.cfg, time.perf_counter()
         batch = self.loader.next_batch()
+        self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
         self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         t_gen = time.perf_counter() - t0
         samples = samples_from_groups(batch.groups, cfg.algorithm.adv_eps, cfg.algorithm.overlong_filter)
@@ -245,7 +246,8 @@ class Trainer:
             )
         t_train = time.perf_counter() - t2
         t3 = time.perf_counter()
-        sync = self.bridge.sync(self.engine)
+        sync = self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
+        self.engine.wake()  # and its KV cache for the next rollout
         t_sync = time.perf_counter() - t3
         self.step += 1
         metrics = dict(batch.stats)
