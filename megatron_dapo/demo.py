@@ -3,8 +3,8 @@
 The task: two-number addition ("17+25=") answered as "Answer: 42", scored by the DAPO
 verifier. With no --model, the demo first makes its own small starting policy: a byte-level
 BPE tokenizer and a tiny random Qwen2, then a short supervised warm-start on the task's
-generator, stopped as soon as the policy is right sometimes (RL needs a policy that is
-sometimes right, never a solved task). Then DAPO (vLLM rollouts, dynamic sampling,
+generator, stopped once greedy accuracy on a held-out probe reaches 25% (RL needs a policy
+that is sometimes right, never a solved task). Then DAPO (vLLM rollouts, dynamic sampling,
 decoupled clip, token-mean loss, Megatron updates, weight sync) trains it, with greedy
 held-out accuracy printed before, during and after, and a PNG plot of reward, accuracy and
 informative fraction per step.
@@ -12,11 +12,13 @@ informative fraction per step.
     python -m megatron_dapo.demo --out runs/demo
     python -m megatron_dapo.demo --out runs/demo-smollm2 --smollm2
 
-Status: the pieces run end to end, but the target (held-out accuracy from <= 30% to >= 70%
-within 10 minutes) is not met yet, so `make demo` does not call this. Measured on 2 cores:
-lr 5e-4: 16% -> 15% in 60 steps; lr 2e-3: 16% -> 6%; lr 2e-4: 16% -> 38% in 278 steps (6 min);
-lr 4e-4: 45.5% at step 280, then the sampler's cap stopped it as groups went all-correct or
-all-wrong (entropy collapse on 761 prompts). Next: hotter rollouts or a larger prompt pool.
+Settings: examples/tiny_cpu.yaml (16 informative prompts x 8 responses per step, rollouts at
+temperature 1.2, lr 4e-4, 2 updates per step). Tuning notes, held-out greedy accuracy on 2 cores
+from a 26% warm start: temperature 1.0 reached 66.5% at step 210 while the informative fraction
+fell to 0.08; 1.2 reached 70% at step 240 and 76.5% at step 310; 16 responses per prompt learned
+no faster per step at twice the cost; lr 2e-4 was half as fast and 2e-3 collapsed the policy.
+Late in the run most train prompts are solved by every sample, so generation rounds per step
+grow; the sampler's cap (sampler.max_gen_batches) then ends DAPO and the demo evaluates.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=400, help="rollout steps at most")
     ap.add_argument("--minutes", type=float, default=9.0, help="stop DAPO this long after the demo started")
     ap.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every this many steps")
-    ap.add_argument("--warm-target", type=float, default=0.15, help="stop the warm start at this accuracy")
+    ap.add_argument("--warm-target", type=float, default=0.25, help="stop the warm start at this accuracy")
     ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_dapo.config import load_config
     from megatron_dapo.data.datasets import PromptDataset
+    from megatron_dapo.data.dynamic_sampling import DynamicSamplingError
     from megatron_dapo.trainer import Trainer, progress_line
 
     cfg = load_config(
@@ -209,7 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     history, evals = [], [(0, before)]
     try:
         while trainer.step < cfg.trainer.total_steps and time.time() - t_start < args.minutes * 60:
-            metrics = trainer.train_step()
+            try:
+                metrics = trainer.train_step()
+            except DynamicSamplingError as e:  # the policy solves (or never solves) nearly every train prompt
+                say(f"DAPO stops at step {trainer.step}: {e}")
+                break
             history.append(metrics)
             print(progress_line(metrics), flush=True)
             if trainer.step % args.eval_every == 0:
