@@ -29,17 +29,12 @@ set -euo pipefail
 REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}   # sbatch runs a copy of this file: submit from the repo root
 VENV=${VENV:-$REPO_DIR/.venv}
 
-die() {
-    echo "error: $*" >&2
+# shellcheck source=slurm/lib.sh
+if [[ ! -f $REPO_DIR/slurm/lib.sh ]]; then
+    echo "error: REPO_DIR=$REPO_DIR has no slurm/lib.sh: submit from the repository root or set REPO_DIR" >&2
     exit 2
-}
-quote() { # the words as one line that a shell splits back into the same words
-    local out=() w
-    for w in "$@"; do
-        if [[ $w =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("'${w//\'/\'\\\'\'}'"); fi
-    done
-    printf '%s\n' "${out[*]}"
-}
+fi
+source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
 case ${1:-} in

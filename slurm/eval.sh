@@ -33,20 +33,12 @@ TOP_P=${TOP_P:-0.7}
 EVAL_OUT=${EVAL_OUT:-}                             # per-problem results; default runs/eval/MODEL-DATA-JOB.jsonl
 VENV=${VENV:-$REPO_DIR/.venv}
 
-die() {
-    echo "error: $*" >&2
+# shellcheck source=slurm/lib.sh
+if [[ ! -f $REPO_DIR/slurm/lib.sh ]]; then
+    echo "error: REPO_DIR=$REPO_DIR has no slurm/lib.sh: submit from the repository root or set REPO_DIR" >&2
     exit 2
-}
-require() { # NAME WHAT: NAME must be set and non-empty
-    [[ -n ${!1:-} ]] || die "$1 is not set: expected $2"
-}
-quote() { # the words as one line that a shell splits back into the same words
-    local out=() w
-    for w in "$@"; do
-        if [[ $w =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("'${w//\'/\'\\\'\'}'"); fi
-    done
-    printf '%s\n' "${out[*]}"
-}
+fi
+source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
 case ${1:-} in

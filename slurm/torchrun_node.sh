@@ -21,13 +21,8 @@ if [[ ! ${SLURM_NODEID:-} =~ ^[0-9]+$ ]]; then
     echo "error: SLURM_NODEID='${SLURM_NODEID:-}': expected this node's index in the job (srun sets it)" >&2
     exit 2
 fi
-quote() { # the words as one line that a shell splits back into the same words
-    local out=() w
-    for w in "$@"; do
-        if [[ $w =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("'${w//\'/\'\\\'\'}'"); fi
-    done
-    printf '%s\n' "${out[*]}"
-}
+# shellcheck source=slurm/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 log_dir=$1
 torchrun=$2

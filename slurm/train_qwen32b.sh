@@ -92,23 +92,12 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RDZV_PORT=${RDZV_PORT:-29500}
 SAVE_GRACE_S=${SAVE_GRACE_S:-2400}                 # torchrun's wait for workers after a signal; >= the --signal lead
 
-die() {
-    echo "error: $*" >&2
+# shellcheck source=slurm/lib.sh
+if [[ ! -f $REPO_DIR/slurm/lib.sh ]]; then
+    echo "error: REPO_DIR=$REPO_DIR has no slurm/lib.sh: submit from the repository root or set REPO_DIR" >&2
     exit 2
-}
-require() { # NAME WHAT: NAME must be set and non-empty
-    [[ -n ${!1:-} ]] || die "$1 is not set: expected $2"
-}
-require_int() { # NAME: a positive integer
-    [[ ${!1} =~ ^[1-9][0-9]*$ ]] || die "$1='${!1}': expected a positive integer"
-}
-quote() { # the words as one line that a shell splits back into the same words
-    local out=() w
-    for w in "$@"; do
-        if [[ $w =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("'${w//\'/\'\\\'\'}'"); fi
-    done
-    printf '%s\n' "${out[*]}"
-}
+fi
+source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
 case ${1:-} in
