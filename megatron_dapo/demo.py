@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -161,6 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm-target", type=float, default=0.25, help="stop the warm start at this accuracy")
     ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
     args = ap.parse_args(argv)
+    # vLLM logs three lines per weight reload (every step here); the demo's own lines are the story
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # and the libraries' own notices (no Apex, deprecations) are not what a demo reader is after
+    warnings.filterwarnings("ignore", module=r"(megatron|vllm|torch|transformers)\.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.data.datasets import PromptDataset
     from megatron_dapo.data.dynamic_sampling import DynamicSamplingError
+    from megatron_dapo.train import MetricSinks
     from megatron_dapo.trainer import Trainer, progress_line
 
     cfg = load_config(
@@ -202,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     trainer = Trainer(cfg)
+    sinks = MetricSinks(cfg, active=True)  # run_dir/metrics.jsonl and TensorBoard, as in training
     held_prompts = list(PromptDataset.from_config(cfg.data, trainer.tokenizer, split="val"))
 
     def accuracy() -> float:  # greedy, one sample: avg@1 = pass@1
@@ -217,24 +225,25 @@ def main(argv: list[str] | None = None) -> None:
             except DynamicSamplingError as e:  # the policy solves (or never solves) nearly every train prompt
                 say(f"DAPO stops at step {trainer.step}: {e}")
                 break
-            history.append(metrics)
-            print(progress_line(metrics), flush=True)
             if trainer.step % args.eval_every == 0:
                 evals.append((trainer.step, accuracy()))
+                metrics["eval/held_out_greedy_acc"] = evals[-1][1]
+            history.append(metrics)
+            sinks.write(metrics)
+            print(progress_line(metrics), flush=True)
+            if evals[-1][0] == trainer.step:
                 say(f"held-out accuracy at step {trainer.step}: {evals[-1][1]:.1%}")
         if evals[-1][0] != trainer.step:
             evals.append((trainer.step, accuracy()))
     finally:
+        sinks.close()
         trainer.close()
     after = evals[-1][1]
     say(f"held-out accuracy: before {before:.1%} -> after {after:.1%} in {trainer.step} DAPO steps")
+    summary = {"before": before, "after": after, "steps": trainer.step, "seconds": time.time() - t_start}
+    (out / "summary.json").write_text(json.dumps({**summary, "evals": evals}))
     plot(history, evals, out / "demo.png")
-    (out / "summary.json").write_text(
-        json.dumps(
-            {"before": before, "after": after, "steps": trainer.step, "seconds": time.time() - t_start, "evals": evals}
-        )
-    )
-    say(f"plot: {out / 'demo.png'}")
+    say(f"plot: {out / 'demo.png'}; metrics: {cfg.trainer.run_dir}/metrics.jsonl; summary: {out / 'summary.json'}")
 
 
 if __name__ == "__main__":
