@@ -187,6 +187,7 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
         for key in keys:
             assert got[key] > 0, (part, key, got.get(key))
     assert got["sync_into"] == "vllm" and got["step_total_s"] >= got["step_generate_s"]
+    assert got["rollout_engines"] == 1 and got["rollout_tokens_per_s"] == got["rollout_tokens_per_s_per_engine"]
     assert got["rollout_tokens"] <= 8 * 2 * 32 and got["train_tokens"] == 8 * 2 * (64 + 32)
 
 

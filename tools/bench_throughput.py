@@ -22,8 +22,8 @@ Parts (--parts; all by default):
 One Trainer (policy, colocated vLLM engine, bridge) serves every part where vLLM can run; elsewhere
 the policy is built alone, rollout and step are reported as skipped with the reason, and sync streams
 into a sink that only counts bytes. vLLM cannot run: when it is not installed (the GPU machines here),
-with --shape (no checkpoint or tokenizer), on CPU with several ranks (the in-process engine cannot be
-colocated with them), or at data-parallel size > 1 (the Trainer runs the rollout on one replica).
+or with --shape (no checkpoint or tokenizer). With several ranks every engine (rollout.tp ranks; one
+rank on CPU) generates its share, as in training.
 Prints a table on rank 0; --json writes the numbers, which tools/estimate_step_time.py --from-json reads.
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -108,14 +107,10 @@ def _model_dir(args) -> Path:
     return Path(args.model)
 
 
-def _why_no_engine(args, dp: int, world: int) -> str | None:
+def _why_no_engine(args) -> str | None:
     """Why vLLM (and so the Trainer) cannot run in this launch; None when it can."""
     if args.shape:
         return "--shape has no checkpoint or tokenizer for vLLM and the Trainer (use --model, --tiny or --smollm2)"
-    if not torch.cuda.is_available() and world > 1:
-        return f"CPU with {world} ranks: the in-process vLLM engine cannot be colocated with them"
-    if dp > 1:
-        return f"data-parallel size {dp}: the Trainer runs the rollout on one replica (make tp x pp the world size)"
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed here"
     return None
@@ -146,7 +141,10 @@ def _trainer_overrides(args, model_dir: Path | None, tmp: Path) -> list[str]:
     ]
 
 
-def _rollout(engine, vocab: int, args, devices: int) -> dict:
+def _rollout(engine, vocab: int, args, devices: int, engines: int) -> dict:
+    """Every engine generates the same prompts at once: per-engine rate x engines is the world's rate.
+
+    devices: ranks per engine (rollout.tp on GPU, 1 on CPU)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=8, seed=0)  # warm-up at full batch
@@ -158,7 +156,9 @@ def _rollout(engine, vocab: int, args, devices: int) -> dict:
         "rollout_responses": args.prompts * args.n,
         "rollout_tokens": tokens,
         "rollout_s": round(seconds, 3),
-        "rollout_tokens_per_s": round(tokens / seconds, 1),
+        "rollout_engines": engines,
+        "rollout_tokens_per_s_per_engine": round(tokens / seconds, 1),
+        "rollout_tokens_per_s": round(tokens / seconds * engines, 1),
         "rollout_tokens_per_s_per_device": round(tokens / seconds / devices, 1),
     }
 
@@ -257,8 +257,9 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.convert.checkpoint_io import LazyMegatronWeights, SafetensorsReader
     from megatron_dapo.model.arch import ModelArch
-    from megatron_dapo.model.parallel import check_layout, destroy_parallel, init_parallel
+    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy
+    from megatron_dapo.rollout.vllm_engine import rollout_tp
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     model_dir = None if args.shape else _model_dir(args)
@@ -266,8 +267,7 @@ def main() -> None:
     defaults = [] if torch.cuda.is_available() else ["model.dtype=fp32"]  # CPU bf16 is emulated
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the Trainer's rows and run directory
         cfg = load_config(overrides=[*defaults, *_trainer_overrides(args, model_dir, Path(tmp)), *args.overrides])
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        why = _why_no_engine(args, check_layout(arch, cfg.parallel, cfg.model, world).dp, world)
+        why = _why_no_engine(args)
         t0 = time.perf_counter()
         if why is None and set(parts) & {*ENGINE_PARTS, "sync"}:  # sync into the engine wherever there is one
             from megatron_dapo.trainer import Trainer
@@ -292,7 +292,8 @@ def main() -> None:
             "skipped": {p: why for p in parts if p in ENGINE_PARTS and why},
         }
         if "rollout" in parts and trainer:
-            result.update(_rollout(engine, arch.vocab_size, args, layout.world_size))
+            per_engine = rollout_tp(cfg)
+            result.update(_rollout(engine, arch.vocab_size, args, per_engine, layout.world_size // per_engine))
         if "train" in parts:
             result.update(_train(policy, arch, layout, args))
         if "sync" in parts:
