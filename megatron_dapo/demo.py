@@ -44,27 +44,34 @@ def split_problems(held_out: int = 200, seed: int = 0) -> tuple[list[tuple[str, 
     return every[held_out:], every[:held_out]
 
 
-# A pretrained chat model needs the question and the answer format in words; the tiny policy learns "17+25=".
-TINY_QUESTION = "{sum}="
-SMOLLM2_QUESTION = "What is {sum}? Reply with only 'Answer: ' followed by the number."
+# The tiny policy learns "17+25=" -> "Answer: 42" (the DAPO verifier); SmolLM2-135M answers a plain
+# question as "17 + 25 = 42" and ignores format instructions, so math-verify scores its last number.
+TINY_QUESTION, TINY_SOURCE = "{sum}=", "demo_addition_dapo"
+SMOLLM2_QUESTION, SMOLLM2_SOURCE = "What is {sum}?", "demo_addition_math"
 # SmolLM2 writes a few words before its answer, and a 135M model takes small steps
 SMOLLM2_OVERRIDES = [
     "rollout.max_response_length=32",
     "algorithm.overlong_buffer_len=8",
     "data.max_prompt_length=128",
     "optim.lr=2e-6",
+    "rollout.temperature=0.7",  # at 1.2 (the tiny policy's setting) a 135M model rambles to the length limit
+    # 49k-entry vocabulary: fp32 logits and their gradients take ~1 GB per 2k tokens on a CPU
+    "train.max_tokens_per_microbatch=2048",
 ]
 
 
-def write_rows(path: Path, items: list[tuple[str, int]], question: str = TINY_QUESTION) -> Path:
-    """DAPO-Math-17K schema; data_source names dapo, so the 'Answer:' verifier scores it."""
+def write_rows(
+    path: Path, items: list[tuple[str, int]], question: str = TINY_QUESTION, source: str = TINY_SOURCE
+) -> Path:
+    """DAPO-Math-17K schema; reward.verifier=auto picks the 'Answer:' verifier when source names dapo,
+    math-verify otherwise."""
     from megatron_dapo.data.generator import write_jsonl
 
     rows = [
         {
             "prompt": [{"role": "user", "content": question.format(sum=q.rstrip("="))}],
             "reward_model": {"style": "rule", "ground_truth": str(a)},
-            "data_source": "demo_addition_dapo",
+            "data_source": source,
         }
         for q, a in items
     ]
@@ -175,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[demo {time.time() - t_start:5.0f}s] {msg}", flush=True)
 
     train, held = split_problems()
-    question = SMOLLM2_QUESTION if args.smollm2 else TINY_QUESTION
-    train_file = write_rows(out / "train.jsonl", train, question)
-    val_file = write_rows(out / "val.jsonl", held, question)
+    question, source = (SMOLLM2_QUESTION, SMOLLM2_SOURCE) if args.smollm2 else (TINY_QUESTION, TINY_SOURCE)
+    train_file = write_rows(out / "train.jsonl", train, question, source)
+    val_file = write_rows(out / "val.jsonl", held, question, source)
     if args.smollm2:
         from megatron_dapo.convert.gguf import export_gguf_to_hf, smollm2_gguf
 
