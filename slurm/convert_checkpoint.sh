@@ -37,13 +37,7 @@ fi
 source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
-case ${1:-} in
-    --dry-run) dry_run=1 && shift ;;
-    -h | --help)
-        sed -n '/^# /,/^set -euo/s/^#\( \|$\)//p' "${BASH_SOURCE[0]}"
-        exit 0
-        ;;
-esac
+if dry_run_flag "${BASH_SOURCE[0]}" "${1:-}"; then dry_run=1 && shift; fi
 case ${1:-} in
     hf-to-megatron) tool=tools/convert_hf_to_megatron.py ;;
     megatron-to-hf) tool=tools/convert_megatron_to_hf.py ;;

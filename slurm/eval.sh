@@ -41,13 +41,7 @@ fi
 source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
-case ${1:-} in
-    --dry-run) dry_run=1 && shift ;;
-    -h | --help)
-        sed -n '/^# /,/^set -euo/s/^#\( \|$\)//p' "${BASH_SOURCE[0]}"
-        exit 0
-        ;;
-esac
+if dry_run_flag "${BASH_SOURCE[0]}" "${1:-}"; then dry_run=1 && shift; fi
 require MODEL_PATH "the model to evaluate: a Hugging Face directory, a Megatron checkpoint or a training run"
 require EVAL_DATA "the evaluation problems, e.g. AIME 2024 as jsonl"
 [[ $K =~ ^[1-9][0-9]*$ ]] || die "K='$K': expected a positive integer (samples per problem)"

@@ -17,3 +17,13 @@ quote() { # the words as one line that a shell splits back into the same words
     done
     printf '%s\n' "${out[*]}"
 }
+dry_run_flag() { # SCRIPT ARG: true for --dry-run; -h/--help prints SCRIPT's header comment and exits
+    case $2 in
+        --dry-run) return 0 ;;
+        -h | --help)
+            sed -n '/^# /,/^set -euo/s/^#\( \|$\)//p' "$1"
+            exit 0
+            ;;
+    esac
+    return 1
+}

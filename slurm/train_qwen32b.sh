@@ -100,13 +100,7 @@ fi
 source "$REPO_DIR/slurm/lib.sh"
 
 dry_run=0
-case ${1:-} in
-    --dry-run) dry_run=1 && shift ;;
-    -h | --help)
-        sed -n '/^# /,/^set -euo/s/^#\( \|$\)//p' "${BASH_SOURCE[0]}"
-        exit 0
-        ;;
-esac
+if dry_run_flag "${BASH_SOURCE[0]}" "${1:-}"; then dry_run=1 && shift; fi
 for arg in "$@"; do
     [[ $arg == *=* && $arg != -* ]] ||
         die "argument '$arg': expected a dotted config override key=value (e.g. trainer.total_steps=200); --dry-run goes first"
