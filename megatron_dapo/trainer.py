@@ -116,7 +116,7 @@ class Trainer:
         self.arch = ModelArch.from_hf_dir(hf)
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed)
         self.rollout_tp = rollout_tp(cfg)
-        _check_distributed(cfg, self.layout.world_size, self.layout.dp, self.rollout_tp)
+        check_distributed(cfg, self.layout.world_size, self.layout.dp, self.rollout_tp)
         self.num_engines = self.layout.world_size // self.rollout_tp
         self.engine_id = self.layout.rank // self.rollout_tp  # vLLM groups consecutive ranks into an engine
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -329,7 +329,7 @@ class Trainer:
         self.engine.close()
 
 
-def _check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:
+def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:
     """Raise ConfigError for a world the rollout engines or the data-parallel split cannot use."""
     if world_size % rollout_tp:
         raise ConfigError(

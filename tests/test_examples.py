@@ -22,6 +22,7 @@ from megatron_dapo.config import Config, ConfigError, load_config
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import check_layout
 from megatron_dapo.model.tiny import TINY_QWEN2
+from megatron_dapo.trainer import check_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -132,10 +133,11 @@ def test_example_fits_its_model_and_world_size(path):
     assert set(h) == {"model", "world_size"}, f"{path.name}: the comment block needs '# model:' and '# world_size:'"
     arch = ModelArch.from_hf_config(ARCHS[h["model"]], h["model"])
     world_size = int(h["world_size"])
-    check_layout(arch, cfg.parallel, cfg.model, world_size)
-    # vLLM splits whole attention and KV heads over an engine's ranks, and the world holds whole engines
+    layout = check_layout(arch, cfg.parallel, cfg.model, world_size)
+    # the trainer's own start-up check: whole engines in the world, equal DP shares of a mini-batch
     engine_tp = cfg.rollout.tp or cfg.parallel.tp
-    assert world_size % engine_tp == 0
+    check_distributed(cfg, world_size, layout.dp, engine_tp)
+    # vLLM splits whole attention and KV heads over an engine's ranks
     assert arch.num_attention_heads % engine_tp == 0 and arch.num_key_value_heads % engine_tp == 0
     longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     assert longest <= arch.max_position_embeddings

@@ -45,17 +45,17 @@ def test_samples_take_their_groups_advantage_and_overlong_filter():
 
 def test_layouts_the_rollout_or_the_data_parallel_split_cannot_use_are_refused():
     from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.trainer import _check_distributed
+    from megatron_dapo.trainer import check_distributed
 
     paper = load_config()  # 512 prompts x 16 responses, mini-batches of 512
-    _check_distributed(paper, world_size=128, dp=8, rollout_tp=8)  # the paper's TP 8 x PP 2 x DP 8
+    check_distributed(paper, world_size=128, dp=8, rollout_tp=8)  # the paper's TP 8 x PP 2 x DP 8
     with pytest.raises(ConfigError, match="rollout.tp=3 .* world size 128"):
-        _check_distributed(paper, world_size=128, dp=8, rollout_tp=3)
+        check_distributed(paper, world_size=128, dp=8, rollout_tp=3)
     with pytest.raises(ConfigError, match="optim.mini_batch_size=512 is not divisible by the data-parallel size 3"):
-        _check_distributed(paper, world_size=48, dp=3, rollout_tp=8)
+        check_distributed(paper, world_size=48, dp=3, rollout_tp=8)
     dynamic = load_config(overrides=["sampler.mode=dynamic_bs"])
     with pytest.raises(ConfigError, match="algorithm.group_size=16 is not divisible by the data-parallel size 32"):
-        _check_distributed(dynamic, world_size=256, dp=32, rollout_tp=8)
+        check_distributed(dynamic, world_size=256, dp=32, rollout_tp=8)
 
 
 def _train(overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
