@@ -93,11 +93,8 @@ RDZV_PORT=${RDZV_PORT:-29500}
 SAVE_GRACE_S=${SAVE_GRACE_S:-2400}                 # torchrun's wait for workers after a signal; >= the --signal lead
 
 # shellcheck source=slurm/lib.sh
-if [[ ! -f $REPO_DIR/slurm/lib.sh ]]; then
-    echo "error: REPO_DIR=$REPO_DIR has no slurm/lib.sh: submit from the repository root or set REPO_DIR" >&2
-    exit 2
-fi
-source "$REPO_DIR/slurm/lib.sh"
+source "$REPO_DIR/slurm/lib.sh" 2>/dev/null ||
+    { echo "error: REPO_DIR=$REPO_DIR has no slurm/lib.sh: submit from the repository root or set REPO_DIR" >&2 && exit 2; }
 
 dry_run=0
 if dry_run_flag "${BASH_SOURCE[0]}" "${1:-}"; then dry_run=1 && shift; fi
