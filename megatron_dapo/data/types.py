@@ -36,6 +36,11 @@ class Response:
     """The rollout engine's per-token logprobs, len == len(token_ids), if it reports them."""
     truncated: bool = False
     """True when generation stopped at rollout.max_response_length instead of a stop token."""
+    versions: Optional[list[int]] = None
+    """The policy version (weight syncs so far) that sampled each token, len == len(token_ids); None when not
+    tracked. A response paused at a weight sync and continued after it holds tokens of two versions."""
+    finished: bool = True
+    """False for a sample stopped mid-generation (RolloutEngine.abort): token_ids are its tokens so far."""
 
 
 @dataclass

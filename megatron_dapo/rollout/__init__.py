@@ -4,9 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dapo.rollout.engine import RolloutEngine, new_stats, validate_generate_args
+from megatron_dapo.rollout.engine import (
+    GroupRequest,
+    RolloutEngine,
+    StreamingEngine,
+    continuation_seed,
+    new_stats,
+    validate_generate_args,
+)
 
-__all__ = ["RolloutEngine", "VLLMEngine", "new_stats", "validate_generate_args"]
+__all__ = [
+    "GroupRequest",
+    "RolloutEngine",
+    "StreamingEngine",
+    "VLLMEngine",
+    "continuation_seed",
+    "new_stats",
+    "validate_generate_args",
+]
 
 
 def __getattr__(name: str) -> Any:

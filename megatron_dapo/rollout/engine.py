@@ -12,12 +12,28 @@ The trainer's cycle per rollout step, colocated on the same devices as the polic
 
 Weight sync is a stream: update_weights may be called once with every tensor or once per bucket, and
 finish_weight_update() closes the stream (it raises if a tensor the model needs never arrived).
+
+Streaming (what the dynamic-sampling loader uses for training rollouts): instead of one blocking
+generate() per round, the loader submits prompt groups whenever it wants more, advances the engine
+one step at a time, receives each group the moment its last sample finishes, and at the end of a
+rollout step aborts what is still generating, getting back every sample's tokens so far:
+
+    engine.submit([GroupRequest(key, prompt_ids, n=G, seed=s, version=v)], temperature, top_p, max_tokens)
+    while ...:
+        for key, responses in engine.step(): ...       # groups finished during this step
+    partial = engine.abort(keys_still_running)         # {key: n Responses, unfinished ones finished=False}
+    ... weight sync ...
+    engine.submit([GroupRequest(key, prompt_ids, n=G, seed=s, version=v + 1, prefixes=partial[key])], ...)
+
+A continued sample keeps its earlier tokens (and their logprobs and versions) and is sampled on from
+there under the current weights; the engine re-reads its context (prefill) first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -70,6 +86,71 @@ class RolloutEngine(Protocol):
     def finish_weight_update(self) -> None:
         """Close a weight-update stream: from here on the engine generates with the new weights."""
         ...
+
+
+@dataclass
+class GroupRequest:
+    """One prompt group to stream: n samples of one prompt."""
+
+    key: int
+    """The caller's id for the group: unique among the groups in flight on an engine; step() and abort() use it."""
+    prompt_ids: list[int]
+    """The prompt's token ids (chat template applied)."""
+    n: int
+    """Samples in the group."""
+    seed: int
+    """Sample j is seeded seed + j (as generate(..., seed) seeds sample j of its first prompt); a continued sample
+    is seeded continuation_seed(seed + j, tokens it already has)."""
+    version: int = 0
+    """The policy version generating now: every token sampled for this request is tagged with it (Response.versions)."""
+    prefixes: Optional[list[Response]] = None
+    """Partial rollout: the n samples as abort() returned them. A finished one is kept as it is; an unfinished
+    one is continued from its tokens, within the same max_tokens for the whole response."""
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """Generates prompt groups as a stream: submit any time, one engine step at a time, abort with tokens kept."""
+
+    def submit(
+        self,
+        groups: list[GroupRequest],
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        stop_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue the groups' samples; the engine starts them as it has room (continuous batching), in order.
+
+        max_tokens bounds each whole response (a continued sample's earlier tokens count). Raises ValueError for a
+        key already in flight or a bad argument (as generate does), RuntimeError when the engine cannot generate.
+        """
+        ...
+
+    def step(self) -> list[tuple[int, list[Response]]]:
+        """Run one engine step; return (key, the group's n Responses in sample order, text decoded) for each group
+        whose last sample finished during it, in the order they finished. A no-op returning [] when idle."""
+        ...
+
+    def abort(self, keys: list[int]) -> dict[int, list[Response]]:
+        """Stop these groups and forget them; return each one's n samples as they stand: a finished sample whole,
+        the others with their tokens so far (possibly none) and finished=False. Raises KeyError for a key not in
+        flight."""
+        ...
+
+    def in_flight(self) -> int:
+        """Groups submitted and neither returned by step() nor aborted."""
+        ...
+
+
+CONTINUATION_SEED_STRIDE = 7_919
+"""continuation_seed: a continued sample's seed moves by this per token it already has."""
+
+
+def continuation_seed(sample_seed: int, tokens_so_far: int) -> int:
+    """The seed of a sample continued after tokens_so_far tokens: a function of the sample's own seed and
+    where it resumes, so a resumed run continues it exactly as the uninterrupted one did."""
+    return (sample_seed + CONTINUATION_SEED_STRIDE * tokens_so_far) % 2**31
 
 
 def validate_generate_args(
