@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_dapo.algorithm.policy_loss import LOSS_AGG_MODES
 from megatron_dapo.data.datasets import BAD_ROW_POLICIES
 from megatron_dapo.data.datasets import FORMATS as DATASET_FORMATS
+from megatron_dapo.data.scheduler import SAMPLER_MODES, SHORTFALL_POLICIES
 from megatron_dapo.kernels.ratio_clip_reduce import LOSS_IMPLS
 from megatron_dapo.reward.verifiers import VERIFIER_NAMES
 
@@ -38,7 +39,6 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 RECOMPUTE = ("selective", "full")
 IMPLS = ("auto", "transformer_engine", "local")
-SAMPLER_MODES = ("fill", "dynamic_bs")
 
 
 class ConfigError(ValueError):
@@ -127,18 +127,55 @@ class DataConfig:
 
 @dataclass
 class SamplerConfig:
-    """The dynamic-sampling loader (paper section 3.2)."""
+    """The dynamic-sampling loader (paper section 3.2): how prompt groups are generated until a batch is full."""
 
     train_batch_size: int = 512
-    """Prompt groups per rollout step (512 prompts x 16 responses in the paper)."""
+    """Informative prompt groups per rollout step (512 prompts x 16 responses in the paper)."""
+    mode: str = "stream"
+    """'stream': prompt groups flow through the engines one at a time, on demand, and are taken in
+    submission order until train_batch_size informative groups are found; what is still generating
+    then is aborted (prompts requeued) or, with partial_rollout, paused. 'fill' (verl's DAPO recipe):
+    generation rounds of gen_batch_size prompts, each generated to its end, then filtered. 'dynamic_bs'
+    (AReaL): one round of train_batch_size prompts, trained on whatever it accepted."""
     gen_batch_size: int = 1536
-    """Prompts sent to the rollout engine per generation round (3 x train_batch_size, as verl's DAPO recipe)."""
+    """fill: prompts per generation round (3 x train_batch_size, as verl's recipe). stream: the unit of
+    the generation cap (max_gen_batches x gen_batch_size groups per step)."""
     max_gen_batches: int = 10
-    """Generation rounds allowed per rollout step before a clear error; 0 = no cap."""
-    mode: str = "fill"
-    """'fill': keep generating until train_batch_size informative groups are collected,
-    carrying the surplus to the next step. 'dynamic_bs' (AReaL): train on whatever one
-    round accepted."""
+    """The generation cap per rollout step: fill rounds, or stream groups in units of gen_batch_size;
+    running into it is a shortfall (see on_shortfall). 0 = no cap (a step still ends once every prompt
+    of the dataset has been tried in it)."""
+    carry_surplus: bool = True
+    """fill and partial_rollout: informative groups found beyond train_batch_size are trained in the
+    next step (1 version stale, within max_staleness); false drops them, as verl's recipe does. (stream
+    without partial rollout never carries: it requeues everything behind the batch's last group, since
+    keeping what happened to finish would favour short responses.)"""
+    partial_rollout: bool = False
+    """stream only. When the batch is full, pause the groups still generating instead of aborting them:
+    they continue after the weight sync from their tokens so far, every token tagged with the policy
+    version that sampled it, and groups are accepted as they complete. Faster (no step waits for its
+    longest response); trained tokens can be up to max_staleness versions old, corrected by truncated
+    importance sampling (algorithm.tis_cap must be set)."""
+    max_staleness: int = 1
+    """The most policy versions any trained token may lag the policy being trained: carried-over and
+    paused groups that would exceed it are dropped and their prompts requeued. 0 = strictly on-policy."""
+    max_groups_in_flight: int = 1536
+    """The most groups generating (or queued in the engines) at once, over all engines. stream submits
+    only what the batch is expected to need (from the measured informative fraction); with
+    partial_rollout it keeps this many in flight."""
+    tick_steps: int = 8
+    """Engine steps between the sampler's decisions: finished groups are scored while the next tick
+    generates, and every rank decides on what was gathered at the tick (never on wall-clock time)."""
+    on_shortfall: str = "error"
+    """When the cap (or the dataset) runs out before the batch is full: 'error' stops with a message
+    saying what was found (the default: a DAPO step always has train_batch_size groups, so a short
+    batch silently changes the recipe); 'train' trains on what was found, with a warning and the
+    sampler/shortfall metric, if at least min_groups were found."""
+    min_groups: int = 1
+    """With on_shortfall=train: the fewest groups worth a step (fewer is an error)."""
+    filter: Optional[str] = None
+    """A user function 'package.module:function' of a Group (prompt, responses, scores, acc, shaped
+    rewards) returning True to train on it, in place of the informative test (AReaL's dynamic_filter_fn).
+    Imported and checked at start-up."""
 
 
 @dataclass
@@ -360,6 +397,33 @@ class Config:
         _check(s.gen_batch_size >= 1, "sampler.gen_batch_size", s.gen_batch_size, "an integer >= 1")
         _check(s.max_gen_batches >= 0, "sampler.max_gen_batches", s.max_gen_batches, "an integer >= 0 (0 = no cap)")
         _check(s.mode in SAMPLER_MODES, "sampler.mode", s.mode, f"one of {SAMPLER_MODES}")
+        _check(s.max_staleness >= 0, "sampler.max_staleness", s.max_staleness, "an integer >= 0")
+        _check(s.max_groups_in_flight >= 1, "sampler.max_groups_in_flight", s.max_groups_in_flight, "an integer >= 1")
+        _check(s.tick_steps >= 1, "sampler.tick_steps", s.tick_steps, "an integer >= 1")
+        _check(
+            s.on_shortfall in SHORTFALL_POLICIES, "sampler.on_shortfall", s.on_shortfall, f"one of {SHORTFALL_POLICIES}"
+        )
+        _check(
+            1 <= s.min_groups <= s.train_batch_size,
+            "sampler.min_groups",
+            s.min_groups,
+            f"an integer in [1, sampler.train_batch_size={s.train_batch_size}]",
+        )
+        if s.partial_rollout:
+            _check(s.mode == "stream", "sampler.partial_rollout", True, f"sampler.mode=stream (not {s.mode!r})")
+            _check(
+                s.max_staleness >= 1,
+                "sampler.max_staleness",
+                s.max_staleness,
+                "an integer >= 1 with sampler.partial_rollout=true (a paused group is trained a version later)",
+            )
+            _check(
+                a.tis_cap is not None,
+                "algorithm.tis_cap",
+                a.tis_cap,
+                "a cap (e.g. 2.0) with sampler.partial_rollout=true: tokens sampled by an older policy are "
+                "weighted by truncated importance sampling",
+            )
         _check(
             self.reward.verifier in VERIFIER_NAMES or ":" in self.reward.verifier,
             "reward.verifier",
@@ -421,7 +485,7 @@ class Config:
                 "files to evaluate on (eval.every > 0)",
             )
         responses = s.train_batch_size * a.group_size
-        if s.mode == "fill":
+        if s.mode != "dynamic_bs" and s.on_shortfall == "error":
             _check(
                 responses % o.mini_batch_size == 0,
                 "optim.mini_batch_size",

@@ -8,16 +8,16 @@ with the paper's sizes); the bridge then streams the new weights into the engine
 steps, optimizer steps and generation rounds are counted apart; the LR schedule follows
 optimizer steps.
 
-Distributed (torchrun, any TP x PP x CP x DP): every rank runs the same loader (dataset, seed,
-state), so prompt draws, acceptance and carried-over groups agree everywhere and every rank
-checkpoints the same loader state. Every rank hosts an in-process vLLM engine; an engine spans
-`rollout.tp` consecutive ranks on GPU (vLLM's external launcher; None = parallel.tp) and one rank
-on CPU, so the world holds world_size / rollout_tp engines. Each engine samples a contiguous
-share of a round's prompts, seeded by global prompt position (the samples do not depend on the
-number of engines), and every rank receives every group. Rewards are scored in shares across
-the ranks and gathered, so every loader sees the same scores. Each data-parallel rank trains
-on its slice of every mini-batch (the policy's token-mean normaliser and metrics are global),
-and every rank's bridge streams the full weights into its own engine.
+Distributed (torchrun, any TP x PP x CP x DP): every rank runs the same sampling scheduler
+(dataset, seed, state), so prompt draws, acceptance and carried-over groups agree everywhere.
+Every rank hosts an in-process vLLM engine; an engine spans `rollout.tp` consecutive ranks on GPU
+(vLLM's external launcher; None = parallel.tp) and one rank on CPU, so the world holds
+world_size / rollout_tp engines, each fed groups on demand by the scheduler. A group's responses
+stay on its engine's first rank, which scores them; only their summaries (lengths, correctness,
+rewards) reach every rank. Once the batch is known each response moves, as tensors, to the ranks of
+the data-parallel replica that trains it (data/exchange.py). Each data-parallel rank trains on its
+slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
+rank's bridge streams the full weights into its own engine.
 """
 
 from __future__ import annotations
@@ -34,32 +34,60 @@ from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
-from megatron_dapo.data.types import Group, Prompt, Response
+from megatron_dapo.data.exchange import Comm, SampleId, deliver
+from megatron_dapo.data.scheduler import GroupMeta
+from megatron_dapo.data.types import Prompt, Response
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.reward import RewardBatch
 
 log = logging.getLogger("megatron_dapo.trainer")
 
 
-def samples_from_groups(groups: list[Group], adv_eps: float, overlong_filter: bool) -> list[TrainSample]:
-    """One TrainSample per response: its group's advantage (from shaped rewards), overlong filtering."""
-    if not groups:
+def train_samples(
+    batch: list[GroupMeta],
+    ids: list[SampleId],
+    responses: dict[SampleId, Response],
+    prompts: Any,
+    adv_eps: float,
+    overlong_filter: bool,
+) -> list[TrainSample]:
+    """TrainSamples for the responses `ids` of the batch: each its group's advantage (from the shaped rewards of
+    every response of the group, computed in float64), overlong filtering, the engine's logprobs for truncated IS.
+
+    batch: the step's groups; responses: (key, j) -> Response for every id; prompts[index] -> Prompt.
+    """
+    if not ids:
         return []
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    advantages = group_advantages(rewards, eps=adv_eps)
+    by_key = {g.key: i for i, g in enumerate(batch)}
+    advantages = group_advantages(torch.tensor([g.rewards for g in batch], dtype=torch.float64), eps=adv_eps)
     samples = []
-    for g, adv in zip(groups, advantages.tolist()):
-        for r, a in zip(g.responses, adv):
-            samples.append(
-                TrainSample(
-                    prompt_ids=list(g.prompt.token_ids),
-                    response_ids=list(r.token_ids),
-                    advantage=float(a),
-                    rollout_logp=None if r.logprobs is None else torch.tensor(r.logprobs, dtype=torch.float32),
-                    in_loss=not (overlong_filter and r.truncated),
-                )
+    for key, j in ids:
+        g, r = batch[by_key[key]], responses[(key, j)]
+        samples.append(
+            TrainSample(
+                prompt_ids=list(prompts[g.index].token_ids),
+                response_ids=list(r.token_ids),
+                advantage=float(advantages[by_key[key], j]),
+                rollout_logp=None if r.logprobs is None else torch.tensor(r.logprobs, dtype=torch.float32),
+                in_loss=not (overlong_filter and g.truncated[j]),
             )
+        )
     return samples
+
+
+def minibatch_ids(batch: list[GroupMeta], mini_batch_size: int, dp: int, dp_rank: int) -> list[list[SampleId]]:
+    """The (key, j) of every response data-parallel rank dp_rank trains, per mini-batch.
+
+    Responses are taken in batch order (group by group, sample by sample); each mini-batch of
+    mini_batch_size is split into dp equal contiguous shares (check_distributed guarantees they are equal).
+    """
+    flat = [(g.key, j) for g in batch for j in range(len(g.lengths))]
+    slices = []
+    for start in range(0, len(flat), mini_batch_size):
+        part = flat[start : start + mini_batch_size]
+        share = len(part) // dp
+        slices.append(part[dp_rank * share : (dp_rank + 1) * share])
+    return slices
 
 
 class ShardedScorer:
@@ -124,12 +152,28 @@ class Trainer:
         self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.scorer = ShardedScorer(RewardPool.from_config(cfg.reward))
-        self.loader = DynamicSamplingLoader.from_config(cfg, self.dataset, self.rollout, self.scorer)
+        self.pool = RewardPool.from_config(cfg.reward)
+        self.scorer = ShardedScorer(self.pool)  # evaluation; training rollouts are scored by their engine's rank
+        self.comm = Comm(self.layout.device)
+        from megatron.core import parallel_state
+
+        # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
+        self.dp_rank_of = [
+            int(r) for r in self.comm.max(_one_hot(self.layout, parallel_state.get_data_parallel_rank()))
+        ]
+        self.loader = DynamicSamplingLoader.from_config(
+            cfg,
+            self.dataset,
+            {self.engine_id: self.engine},
+            self.pool,
+            num_engines=self.num_engines,
+            owned={self.engine_id} if self.layout.rank % self.rollout_tp == 0 else set(),
+            comm=self.comm,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+        )
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self.gen_rounds = 0
-        self.rollout_calls = 0  # seeds generation: a resumed run samples what the uninterrupted one would
         self.nan_in_a_row = 0
         self._val_prompts: list[Prompt] | None = None
         self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
@@ -138,32 +182,22 @@ class Trainer:
             if state is not None:
                 self.step = state["step"]
                 saved = state["trainer"]
-                self.gen_rounds, self.rollout_calls = saved["gen_rounds"], saved["rollout_calls"]
-                self.nan_in_a_row = saved["nan_in_a_row"]
+                self.gen_rounds, self.nan_in_a_row = saved["gen_rounds"], saved["nan_in_a_row"]
                 self.loader.load_state_dict(saved["loader"])
                 log.info("resumed from step %d", self.step)
         self.bridge.sync(self.engine)  # the engine started from dummy weights
 
     # ---------------------------------------------------------------- rollout
 
-    def rollout(self, prompts: list[Prompt], n: int) -> list[list[Response]]:
-        r = self.cfg.rollout
-        self.rollout_calls += 1
-        seed = (self.cfg.seed * 1_000_003 + self.rollout_calls * 7919) % 2**31
-        return self._generate(prompts, n, seed, r.temperature, r.top_p, r.max_response_length)
-
     def _generate(
         self, prompts: list[Prompt], n: int, seed: int, temperature: float, top_p: float, max_tokens: int
     ) -> list[list[Response]]:
-        """Each engine samples its contiguous share of prompts; every rank gets every group, in prompt order.
+        """Evaluation: each engine samples its contiguous share of prompts; every rank gets every group, in order.
 
         The engine seeds sample j of prompt i of its share seed + i*n + j, and a share starting at
         prompt lo gets seed + lo*n: a function of the global position, so the samples do not depend
-        on the number of engines. Cost: every response (token ids, logprobs, text; pickled) goes from
-        its engine to every rank, one broadcast per engine. Trivial here; at the paper's scale a round
-        of 1536 prompts x 16 responses of ~5k tokens (up to 20k) at ~20 pickled bytes a token is ~2 GB
-        (up to 10 GB) into every rank, seconds to tens of seconds of pickling against minutes of
-        generation; sending tensors, or only each DP rank's samples, would cut it.
+        on the number of engines. Every response goes (pickled) from its engine to every rank: fine
+        for a held-out set; training rollouts take the streaming path, which moves only what is trained.
         """
         bounds = [len(prompts) * e // self.num_engines for e in range(self.num_engines + 1)]
         lo, hi = bounds[self.engine_id], bounds[self.engine_id + 1]
@@ -189,17 +223,25 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _dp_slices(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
-        """This data-parallel rank's slice of every mini-batch: an equal share of its responses (checked at start)."""
+    def _samples(self, batch) -> tuple[list[list[TrainSample]], float]:
+        """This rank's TrainSamples per mini-batch, its responses fetched from their engines' ranks; bytes sent."""
         from megatron.core import parallel_state
 
-        dp, rank, size = self.layout.dp, parallel_state.get_data_parallel_rank(), self.cfg.optim.mini_batch_size
-        slices = []
-        for start in range(0, len(samples), size):
-            batch = samples[start : start + size]
-            share = len(batch) // dp
-            slices.append(batch[rank * share : (rank + 1) * share])
-        return slices
+        size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
+        per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
+        mine = per_dp[parallel_state.get_data_parallel_rank()]
+        responses, sent = deliver(
+            self.comm,
+            batch.groups,
+            batch.local,
+            owner_rank=lambda g: g.engine * self.rollout_tp,  # an engine's first rank holds its groups
+            wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb],
+        )
+        a = self.cfg.algorithm
+        slices = [
+            train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter) for ids in mine
+        ]
+        return slices, self.comm.sum([sent])[0]
 
     def _mean_mismatch(self, mismatch: list[torch.Tensor]) -> float:
         """Mean |rollout logp - old logp| over the step's tokens on every rank (each DP rank's slice counted once)."""
@@ -220,8 +262,7 @@ class Trainer:
         self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
         self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         t_gen = time.perf_counter() - t0
-        samples = samples_from_groups(batch.groups, cfg.algorithm.adv_eps, cfg.algorithm.overlong_filter)
-        mini_batches = self._dp_slices(samples)
+        mini_batches, bytes_moved = self._samples(batch)
         temperature = cfg.rollout.temperature
         t1 = time.perf_counter()
         mine = [s for mb in mini_batches for s in mb]
@@ -253,7 +294,7 @@ class Trainer:
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
         metrics.update(sync)
-        tokens = sum(len(s.response_ids) for s in samples)
+        tokens = sum(g.tokens for g in batch.groups)
         elapsed = time.perf_counter() - t0
         metrics.update(
             {
@@ -263,6 +304,7 @@ class Trainer:
                 "trainer/updates": float(len(per_update)),
                 "trainer/nan_skipped_updates": float(skipped),
                 "rollout/logp_mismatch_mean": mismatch_mean,
+                "sampler/bytes_moved": bytes_moved,
                 "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "timing/generate": t_gen,
                 "timing/old_logp": t_old,
@@ -317,7 +359,6 @@ class Trainer:
     def save(self) -> Path:
         state = {
             "gen_rounds": self.gen_rounds,
-            "rollout_calls": self.rollout_calls,
             "nan_in_a_row": self.nan_in_a_row,
             "loader": self.loader.state_dict(),
         }
@@ -342,11 +383,20 @@ def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) ->
             f"(world size {world_size} / parallel.tp x pp x cp): each data-parallel rank trains on an equal share "
             "of every mini-batch"
         )
-    if cfg.sampler.mode == "dynamic_bs" and cfg.algorithm.group_size % dp:
+    short = cfg.sampler.mode == "dynamic_bs" or cfg.sampler.on_shortfall == "train"
+    if short and cfg.algorithm.group_size % dp:
+        why = "sampler.mode=dynamic_bs" if cfg.sampler.mode == "dynamic_bs" else "sampler.on_shortfall=train"
         raise ConfigError(
             f"algorithm.group_size={cfg.algorithm.group_size} is not divisible by the data-parallel size {dp}: with "
-            "sampler.mode=dynamic_bs a step's last mini-batch holds whole groups and must split evenly over the ranks"
+            f"{why} a step's last mini-batch holds whole groups and must split evenly over the ranks"
         )
+
+
+def _one_hot(layout: Any, value: int) -> list[float]:
+    """A world-sized vector holding value at this rank (and -1 elsewhere): a max over ranks gathers everyone's."""
+    out = [-1.0] * layout.world_size
+    out[layout.rank] = float(value)
+    return out
 
 
 def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
@@ -362,9 +412,14 @@ def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
 def progress_line(m: dict[str, Any]) -> str:
     """The one line a person reads per rollout step."""
     if "reward/mean" in m:
+        if m.get("sampler/gen_rounds"):  # fill / dynamic_bs
+            generated = f"rounds {int(m['sampler/gen_rounds'])}"
+        else:  # stream: groups generated, and the share of this step's tokens thrown away
+            wasted = m["tokens/wasted"] / m["tokens/generated"] if m.get("tokens/generated") else 0.0
+            generated = f"groups {int(m['sampler/groups_generated'])} wasted {wasted:.0%}"
         rollout = (
             f"reward {m['reward/mean']:+.3f} acc {m['reward/acc']:.3f} "
-            f"informative {m['sampler/informative_frac']:.2f} rounds {int(m['sampler/gen_rounds'])} | "
+            f"informative {m['sampler/informative_frac']:.2f} {generated} | "
             f"len {m['response/length_mean']:.0f}/{m['response/length_max']:.0f}"
         )
     else:  # a step trained entirely on groups carried over from the last one

@@ -1,19 +1,22 @@
-"""The dynamic-sampling loader, driven by a scripted rollout whose per-prompt correctness we set.
+"""The dynamic-sampling loader and its scheduler, driven by a scripted engine whose responses the test sets.
 
-Responses are real text scored by the real DAPO verifier in the real reward pool.
+The engine (tests/scripted_engine.py) times responses like continuous batching: one token per step,
+so long responses finish late. Responses are real "Answer: N" text scored by the real reward pool.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 from collections import Counter
 
 import pytest
+from scripted_engine import ScriptedEngine, make_dataset
 
-from megatron_dapo.config import load_config
-from megatron_dapo.data.dynamic_sampling import DynamicSamplingError, DynamicSamplingLoader
-from megatron_dapo.data.types import Prompt, Response
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.dynamic_sampling import DynamicSamplingError, DynamicSamplingLoader, load_group_filter
+from megatron_dapo.data.scheduler import SamplingScheduler
 from megatron_dapo.reward import RewardPool
 
 G = 4
@@ -25,56 +28,35 @@ def pool():
         yield p
 
 
-def make_dataset(n: int) -> list[Prompt]:
-    return [
-        Prompt(
-            index=i,
-            messages=[{"role": "user", "content": f"What is {i} * 7?"}],
-            text=f"What is {i} * 7?",
-            token_ids=[1, 2, 3],
-            ground_truth=str(i * 7),
-            data_source="synthetic_dapo",
-        )
-        for i in range(n)
-    ]
-
-
-class ScriptedRollout:
-    """Prompt p gets num_correct(p) right answers then wrong ones; lengths(p) sets token counts."""
-
-    def __init__(self, num_correct, lengths=None):
-        self.num_correct = num_correct
-        self.lengths = lengths or (lambda p, j: 5)
-        self.calls: list[list[int]] = []
-
-    def __call__(self, prompts: list[Prompt], n: int) -> list[list[Response]]:
-        self.calls.append([p.index for p in prompts])
-        out = []
-        for p in prompts:
-            k = self.num_correct(p.index)
-            group = []
-            for j in range(n):
-                answer = p.ground_truth if j < k else str(int(p.ground_truth) + 1)
-                length = self.lengths(p.index, j)
-                group.append(Response(token_ids=[7] * length, text=f"Some steps.\nAnswer: {answer}", logprobs=None))
-            out.append(group)
-        return out
-
-
-def loader(dataset, rollout, pool, **kw):
+def loader(dataset, engine, pool, **kw):
     kw.setdefault("group_size", G)
     kw.setdefault("max_response_length", 100)
     kw.setdefault("overlong_buffer_len", 20)
-    return DynamicSamplingLoader(dataset, rollout, pool, **kw)
+    kw.setdefault("tick_steps", 2)
+    kw.setdefault("mode", "fill")
+    engines = engine if isinstance(engine, dict) else {0: engine}
+    return DynamicSamplingLoader(dataset, engines, pool, num_engines=len(engines), **kw)
+
+
+def correct_first(num_correct, length=lambda p, j: 5):
+    """A script: prompt p's first num_correct(p) samples are right, the rest wrong; lengths from `length`."""
+    return lambda p, j, seed: (length(p, j), j < num_correct(p))
+
+
+def drawn(engine) -> list[int]:
+    return [p for _, p in engine.submitted]
+
+
+# ------------------------------------------------------------------ fill (verl's recipe, with carry-over)
 
 
 def test_exact_batch_and_statistics(pool):
     rng = random.Random()
     correct = {i: rng.choice([0, 0, 1, 2, 3, G, G]) for i in range(60)}
-    rollout = ScriptedRollout(lambda i: correct[i])
+    engine = ScriptedEngine(correct_first(lambda i: correct[i]))
     ds = loader(
         make_dataset(60),
-        rollout,
+        engine,
         pool,
         train_batch_size=5,
         gen_batch_size=8,
@@ -82,44 +64,58 @@ def test_exact_batch_and_statistics(pool):
         seed=rng.randrange(1000),
     )
     batch = ds.next_batch()
-    drawn = [i for call in rollout.calls for i in call]
-    informative = [i for i in drawn if 0 < correct[i] < G]
+    order = drawn(engine)
+    informative = [i for i in order if 0 < correct[i] < G]
     assert len(batch.groups) == 5
-    assert [g.prompt.index for g in batch.groups] == informative[:5]
-    assert [g.prompt.index for g in ds.carry] == informative[5:]
+    assert [g.index for g in batch.groups] == informative[:5]
+    assert [g.index for g in ds.scheduler.carry] == informative[5:]
     for g in batch.groups:
-        assert g.num_correct == correct[g.prompt.index]
+        assert g.num_correct == correct[g.index]
         assert g.scores == [1.0] * g.num_correct + [-1.0] * (G - g.num_correct)
+        assert batch.local[g.key][0].text.endswith(f"Answer: {g.index * 7}")  # this rank's own responses
     s = batch.stats
-    assert s["sampler/gen_rounds"] == len(rollout.calls)
-    assert s["sampler/groups_generated"] == len(drawn)
+    assert s["sampler/gen_rounds"] == len(order) // 8
+    assert s["sampler/groups_generated"] == len(order)
     assert s["sampler/informative"] == len(informative)
-    assert s["sampler/informative_frac"] == pytest.approx(len(informative) / len(drawn))
-    assert s["sampler/all_correct"] == sum(correct[i] == G for i in drawn)
-    assert s["sampler/all_wrong"] == sum(correct[i] == 0 for i in drawn)
-    assert s["reward/acc"] == pytest.approx(sum(correct[i] for i in drawn) / (G * len(drawn)))
+    assert s["sampler/informative_frac"] == pytest.approx(len(informative) / len(order))
+    assert s["sampler/all_correct"] == sum(correct[i] == G for i in order)
+    assert s["sampler/all_wrong"] == sum(correct[i] == 0 for i in order)
+    assert s["reward/acc"] == pytest.approx(sum(correct[i] for i in order) / (G * len(order)))
     assert s["sampler/carried_out"] == len(informative) - 5
+    # every generated token has one fate
+    fates = ("trained", "uninformative", "wasted", "carried", "paused")
+    assert s["tokens/generated"] == sum(s[f"tokens/{f}"] for f in fates) == 5 * G * len(order)
 
 
 def test_surplus_is_carried_over_and_nothing_is_lost(pool):
-    rollout = ScriptedRollout(lambda i: 1 + i % 3)  # every group informative
-    ds = loader(make_dataset(100), rollout, pool, train_batch_size=5, gen_batch_size=3)
+    engine = ScriptedEngine(correct_first(lambda i: 1 + i % 3))  # every group informative
+    ds = loader(make_dataset(100), engine, pool, train_batch_size=5, gen_batch_size=3)
     first = ds.next_batch()  # rounds of 3: 6 collected, 1 carried
-    assert len(first.groups) == 5 and len(ds.carry) == 1
-    carried = ds.carry[0].prompt.index
+    assert len(first.groups) == 5 and len(ds.scheduler.carry) == 1
+    carried = ds.scheduler.carry[0]
     second = ds.next_batch()
-    assert second.groups[0].prompt.index == carried and second.stats["sampler/carried_in"] == 1
-    trained = [g.prompt.index for b in (first, second) for g in b.groups] + [g.prompt.index for g in ds.carry]
-    assert trained == [i for call in rollout.calls for i in call]  # every informative group, once, in order
+    assert second.groups[0].key == carried.key and second.stats["sampler/carried_in"] == 1
+    assert second.local[carried.key] and second.stats["staleness/tokens_1"] == carried.tokens  # trained 1 version on
+    trained = [g.index for b in (first, second) for g in b.groups] + [g.index for g in ds.scheduler.carry]
+    assert trained == drawn(engine)  # every informative group, once, in order
+
+
+def test_fill_can_drop_the_surplus_as_verl_does(pool):
+    engine = ScriptedEngine(correct_first(lambda i: 1 + i % 3))
+    ds = loader(make_dataset(100), engine, pool, train_batch_size=5, gen_batch_size=3, carry_surplus=False)
+    first = ds.next_batch()
+    assert len(first.groups) == 5 and ds.scheduler.carry == [] and first.stats["tokens/wasted"] == 5 * G
+    second = ds.next_batch()
+    assert drawn(engine)[6:8] == [g.index for g in second.groups[:2]]  # the dropped prompt is not tried again
 
 
 def test_step_served_from_the_carry_reports_no_rollout_rates(pool):
-    rollout = ScriptedRollout(lambda i: 1 + i % 3)  # every group informative
-    ds = loader(make_dataset(100), rollout, pool, train_batch_size=2, gen_batch_size=4)
+    engine = ScriptedEngine(correct_first(lambda i: 1 + i % 3))  # every group informative
+    ds = loader(make_dataset(100), engine, pool, train_batch_size=2, gen_batch_size=4)
     ds.next_batch()  # 4 generated, 2 trained, 2 carried
-    calls = len(rollout.calls)
+    submitted = len(engine.submitted)
     second = ds.next_batch()
-    assert len(rollout.calls) == calls and len(second.groups) == 2
+    assert len(engine.submitted) == submitted and len(second.groups) == 2
     s = second.stats
     assert s["sampler/gen_rounds"] == 0 and s["sampler/carried_in"] == 2 and s["sampler/batch_groups"] == 2
     # no fresh responses: rates are absent, never a 0 that reads as a collapse
@@ -128,115 +124,143 @@ def test_step_served_from_the_carry_reports_no_rollout_rates(pool):
 
 
 def test_cap_error_reports_what_was_found(pool):
-    rollout = ScriptedRollout(lambda i: 2 if i in (3, 11) else 0)
-    ds = loader(make_dataset(50), rollout, pool, train_batch_size=4, gen_batch_size=5, max_gen_batches=3, shuffle=False)
+    engine = ScriptedEngine(correct_first(lambda i: 2 if i in (3, 11) else 0))
+    ds = loader(make_dataset(50), engine, pool, train_batch_size=4, gen_batch_size=5, max_gen_batches=3, shuffle=False)
     with pytest.raises(DynamicSamplingError) as e:
         ds.next_batch()
     msg = str(e.value)
-    assert len(rollout.calls) == 3
+    assert len(engine.submitted) == 15
     assert "after 3 generation rounds (sampler.max_gen_batches=3)" in msg
     assert "only 2 of sampler.train_batch_size=4 informative groups were found" in msg
     assert "2 of 15 groups generated this step were informative, fraction 0.133" in msg
     assert "13 all wrong" in msg
-    assert [g.prompt.index for g in ds.carry] == [3, 11]  # kept, not thrown away
+    assert [g.index for g in ds.scheduler.carry] == [3, 11]  # kept, not thrown away
+    assert set(ds.finished) == {g.key for g in ds.scheduler.carry}  # and so are their responses
 
 
 def test_all_wrong_group_with_different_shaped_rewards_is_not_informative(pool):
     # L_max 100, buffer 20: lengths 80 (no penalty), 85, 90, 100 (full penalty) shape the -1 scores apart
     lengths = [80, 85, 90, 100]
-    rollout = ScriptedRollout(lambda i: 0 if i == 0 else 1, lengths=lambda i, j: lengths[j])
-    ds = loader(make_dataset(2), rollout, pool, train_batch_size=1, gen_batch_size=2, shuffle=False)
+    engine = ScriptedEngine(correct_first(lambda i: 0 if i == 0 else 1, length=lambda i, j: lengths[j]))
+    ds = loader(make_dataset(2), engine, pool, train_batch_size=1, gen_batch_size=2, shuffle=False)
     batch = ds.next_batch()
-    assert [g.prompt.index for g in batch.groups] == [1]
+    assert [g.index for g in batch.groups] == [1]
     assert batch.stats["sampler/all_wrong"] == 1 and batch.stats["sampler/informative"] == 1
     # the shaped rewards of the accepted group: score + ((L_max - L_cache) - |o|) / L_cache, floored at -1
     assert batch.groups[0].rewards == pytest.approx([1.0, -1.25, -1.5, -2.0])
     assert batch.groups[0].scores == [1.0, -1.0, -1.0, -1.0]
+    assert batch.groups[0].truncated == [False, False, False, True]
 
 
 def test_epoch_wrap_reshuffles_without_repeats_or_skips(pool):
     n = 10
-    rollout = ScriptedRollout(lambda i: 2)
-    ds = loader(make_dataset(n), rollout, pool, train_batch_size=4, gen_batch_size=4)
+    engine = ScriptedEngine(correct_first(lambda i: 2))
+    ds = loader(make_dataset(n), engine, pool, train_batch_size=4, gen_batch_size=4)
     for _ in range(5):
         ds.next_batch()
-    drawn = [i for call in rollout.calls for i in call]
-    assert len(drawn) == 20
-    assert sorted(drawn[:10]) == list(range(n)) and sorted(drawn[10:]) == list(range(n))
-    assert drawn[:10] != drawn[10:]  # a new permutation per epoch
-    assert ds.epoch == 2
+    order = drawn(engine)
+    assert len(order) == 20
+    assert sorted(order[:10]) == list(range(n)) and sorted(order[10:]) == list(range(n))
+    assert order[:10] != order[10:]  # a new permutation per epoch
+    assert ds.scheduler.epoch == 2
 
 
-def test_no_prompt_twice_in_a_step_across_an_epoch_end(pool):
-    n = 5
-    rollout = ScriptedRollout(lambda i: 2)
-    ds = loader(make_dataset(n), rollout, pool, train_batch_size=4, gen_batch_size=3)
-    seen = Counter()
-    for _ in range(6):
-        before = len(rollout.calls)
+@pytest.mark.parametrize("mode", ["fill", "stream", "partial"])
+def test_no_prompt_twice_in_a_step_and_none_skipped_or_repeated(pool, mode):
+    n = 7  # 4 groups a step: the epoch ends mid-step, every other step
+    engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 1 + (i * 5 + j) % 9), capacity=6)
+    kw = {"partial_rollout": True, "mode": "stream"} if mode == "partial" else {"mode": mode}
+    ds = loader(make_dataset(n), engine, pool, train_batch_size=4, gen_batch_size=3, shuffle=False, **kw)
+    trained = []
+    for _ in range(8):
         batch = ds.next_batch()
-        in_step = [i for call in rollout.calls[before:] for i in call]
-        carried = [g.prompt.index for g in batch.groups if g.meta["step"] < ds.steps - 1]
-        assert len(set(in_step + carried)) == len(in_step) + len(carried)
-        assert len({g.prompt.index for g in batch.groups}) == len(batch.groups)
-        seen.update(in_step)
-    assert max(seen.values()) - min(seen.values()) <= 1  # every prompt drawn as often as any other, +-1
+        assert len({g.index for g in batch.groups}) == len(batch.groups) == 4
+        in_flight = [f.index for f in ds.scheduler.flight.values()] + [p.index for p in ds.scheduler.paused]
+        carried = [g.index for g in ds.scheduler.carry]
+        assert len(set(in_flight + carried)) == len(in_flight) + len(carried)
+        trained += [g.index for g in batch.groups]
+    if mode == "partial":  # accepted as they complete: in any order, but each prompt as often as any other
+        later = [p.index for p in ds.scheduler.paused] + [g.index for g in ds.scheduler.carry]
+        counts = Counter(trained + later)
+        assert max(counts.values()) - min(counts.values()) <= 1
+    else:  # every prompt once per epoch, in queue order, aborted ones tried again first
+        assert trained == [i % n for i in range(32)]
 
 
 def test_dataset_smaller_than_a_step_is_a_clear_error(pool):
-    ds = loader(make_dataset(3), ScriptedRollout(lambda i: 2), pool, train_batch_size=4, gen_batch_size=2)
+    ds = loader(make_dataset(3), ScriptedEngine(correct_first(lambda i: 2)), pool, train_batch_size=4, gen_batch_size=2)
     with pytest.raises(
         DynamicSamplingError, match="after every one of the 3 prompts was tried in this step, only 3 of"
     ):
         ds.next_batch()
 
 
-def test_state_save_restore_mid_epoch(pool):
-    def fresh(rollout):
-        return loader(make_dataset(23), rollout, pool, train_batch_size=4, gen_batch_size=3, seed=7)
+@pytest.mark.parametrize("mode", ["fill", "stream", "partial"])
+def test_state_save_restore_mid_epoch(pool, mode):
+    kw = {"partial_rollout": True, "mode": "stream"} if mode == "partial" else {"mode": mode}
 
-    correct = lambda i: [0, 1, 2, 4][i % 4]  # noqa: E731
-    a = fresh(ScriptedRollout(correct))
+    def fresh():
+        script = correct_first(lambda i: [0, 1, 2, 4][i % 4], length=lambda i, j: 1 + (i * 7 + j * 3) % 13)
+        engine = ScriptedEngine(script, capacity=8)
+        return loader(make_dataset(23), engine, pool, train_batch_size=4, gen_batch_size=3, seed=7, **kw), engine
+
+    a, _ = fresh()
     for _ in range(3):
         a.next_batch()
     state = json.loads(json.dumps(a.state_dict()))  # plain containers, as a checkpoint stores them
-    assert state["carry"] and 0 < len(state["queue"]) < 23 * 2
-    rest_a = [[g.prompt.index for g in a.next_batch().groups] for _ in range(4)]
+    sched = state["scheduler"]
+    assert 0 < len(sched["queue"]) < 23 * 2
+    if mode == "partial":
+        assert sched["paused"] and state["partial"]  # groups in flight at the step's end continue later
+    elif mode == "fill":
+        assert sched["carry"] and state["finished"]
 
-    b_rollout = ScriptedRollout(correct)
-    b = fresh(b_rollout)
+    def run(ld):
+        return [
+            [(g.index, g.lengths, g.acc, g.version_tokens, [r.token_ids for r in b.local[g.key]]) for g in b.groups]
+            for b in (ld.next_batch() for _ in range(4))
+        ]
+
+    rest_a = run(a)
+    b, _ = fresh()
     b.load_state_dict(state)
-    rest_b = [[g.prompt.index for g in b.next_batch().groups] for _ in range(4)]
-    assert rest_a == rest_b
+    assert run(b) == rest_a
     assert a.state_dict() == b.state_dict()
-    # the restored carry holds the same data, not just the same prompts
-    assert b.state_dict()["carry"] == a.state_dict()["carry"]
 
-    other = loader(make_dataset(24), ScriptedRollout(correct), pool, seed=7)
+    other = loader(make_dataset(24), ScriptedEngine(lambda p, j, s: (3, True)), pool, seed=7, **kw)
     with pytest.raises(ValueError, match="dataset of 23 prompts, but this dataset has 24"):
         other.load_state_dict(state)
+    mismatched = fresh()[0]
+    state["finished"], state["partial"] = {}, {}
+    if sched["carry"] or sched["paused"]:
+        with pytest.raises(ValueError, match="do not belong together"):
+            mismatched.load_state_dict(state)
 
 
 def test_dynamic_bs_trains_on_one_round(pool):
     correct = {i: [0, 2, G][i % 3] for i in range(30)}
-    rollout = ScriptedRollout(lambda i: correct[i])
-    ds = loader(make_dataset(30), rollout, pool, mode="dynamic_bs", train_batch_size=7, gen_batch_size=100)
+    engine = ScriptedEngine(correct_first(lambda i: correct[i]))
+    ds = loader(make_dataset(30), engine, pool, mode="dynamic_bs", train_batch_size=7, gen_batch_size=100)
     batch = ds.next_batch()
-    assert len(rollout.calls) == 1 and len(rollout.calls[0]) == 7
-    assert [g.prompt.index for g in batch.groups] == [i for i in rollout.calls[0] if correct[i] == 2]
-    assert ds.carry == []
+    assert len(engine.submitted) == 7
+    assert [g.index for g in batch.groups] == [i for i in drawn(engine) if correct[i] == 2]
+    assert ds.scheduler.carry == []
 
 
 def test_user_filter_and_no_dynamic_sampling(pool):
     correct = {i: [0, 2, G][i % 3] for i in range(30)}
-    rollout = ScriptedRollout(lambda i: correct[i])
     ds = loader(
-        make_dataset(30), rollout, pool, train_batch_size=6, gen_batch_size=6, filter_fn=lambda g: g.num_correct > 0
+        make_dataset(30),
+        ScriptedEngine(correct_first(lambda i: correct[i])),
+        pool,
+        train_batch_size=6,
+        gen_batch_size=6,
+        filter_fn=lambda g: g.num_correct > 0 and g.rewards[0] == 1.0,  # a Group: scores, acc, shaped rewards
     )
     assert all(g.num_correct > 0 for g in ds.next_batch().groups)
     ds = loader(
         make_dataset(30),
-        ScriptedRollout(lambda i: correct[i]),
+        ScriptedEngine(correct_first(lambda i: correct[i])),
         pool,
         train_batch_size=6,
         gen_batch_size=6,
@@ -246,7 +270,7 @@ def test_user_filter_and_no_dynamic_sampling(pool):
     assert len(batch.groups) == 6 and batch.stats["sampler/gen_rounds"] == 1
 
 
-def test_from_config_and_bad_rollouts(pool):
+def test_from_config_and_bad_engines(pool, tmp_path, monkeypatch):
     cfg = load_config(
         overrides=[
             "algorithm.group_size=4",
@@ -255,16 +279,292 @@ def test_from_config_and_bad_rollouts(pool):
             "optim.mini_batch_size=8",
         ]
     )
-    ds = DynamicSamplingLoader.from_config(cfg, make_dataset(4), ScriptedRollout(lambda i: 2), pool)
-    assert (ds.group_size, ds.train_batch_size, ds.max_response_length) == (4, 2, 20480)
+    ds = DynamicSamplingLoader.from_config(cfg, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, j < 2))}, pool)
+    assert (ds.group_size, ds.scheduler.train_batch_size, ds.max_response_length) == (4, 2, 20480)
+    assert ds.scheduler.mode == "stream"  # the default
     assert len(ds.next_batch().groups) == 2
 
-    def short(prompts, n):
-        return [[Response(token_ids=[1], text="Answer: 1")] * (n - 1) for _ in prompts]
+    class Short(ScriptedEngine):
+        def step(self):
+            return [(key, responses[:-1]) for key, responses in super().step()]
 
-    with pytest.raises(
-        RuntimeError, match="rollout returned 3 responses for prompt .*, expected algorithm.group_size=4"
-    ):
-        loader(make_dataset(4), short, pool).next_batch()
+    with pytest.raises(RuntimeError, match="returned 3 responses for group .*, expected algorithm.group_size=4"):
+        loader(make_dataset(4), Short(lambda p, j, s: (2, True)), pool).next_batch()
     with pytest.raises(ValueError, match="empty"):
-        loader([], short, pool)
+        loader([], ScriptedEngine(lambda p, j, s: (2, True)), pool)
+
+    # sampler.filter: checked when the loader is built from the config, naming the field
+    (tmp_path / "my_filters.py").write_text("def keep_all(group):\n    return True\nnot_callable = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_group_filter("my_filters:keep_all")(None) is True
+    for spec, why in [
+        ("my_filters", "expected 'package.module:function'"),
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+        ("my_filters:missing", "has no function 'missing'"),
+        ("my_filters:not_callable", "has no function 'not_callable'"),
+    ]:
+        bad = load_config(overrides=[*cfg_overrides(), f"sampler.filter={spec}"])
+        with pytest.raises(ConfigError, match=f"sampler.filter=.*{why}"):
+            DynamicSamplingLoader.from_config(
+                bad, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, True))}, pool
+            )
+
+
+def cfg_overrides():
+    return ["algorithm.group_size=4", "sampler.train_batch_size=2", "optim.mini_batch_size=8"]
+
+
+# ------------------------------------------------------------------ stream
+
+
+def test_stream_takes_the_groups_fill_takes_and_measures_the_same_fraction(pool):
+    rng = random.Random()
+    correct = {i: rng.choice([0, 1, 2, 3, G]) for i in range(400)}
+    lengths = {(i, j): rng.randint(1, 40) for i in range(400) for j in range(G)}
+    script = correct_first(lambda i: correct[i], length=lambda i, j: lengths[(i, j)])
+    truth = sum(0 < c < G for c in correct.values()) / len(correct)
+    seed = rng.randrange(1000)
+    runs = {}
+    for mode in ("fill", "stream"):
+        engine = ScriptedEngine(script, capacity=24)
+        ds = loader(make_dataset(400), engine, pool, mode=mode, train_batch_size=8, gen_batch_size=16, seed=seed)
+        runs[mode] = [ds.next_batch() for _ in range(12)]
+    fill, stream = runs["fill"], runs["stream"]
+    # the first step: the same prompts, in the same order, with the same responses (the first 8 informative ones)
+    assert [(g.index, g.lengths, g.rewards) for g in stream[0].groups] == [
+        (g.index, g.lengths, g.rewards) for g in fill[0].groups
+    ]
+    for b in stream:
+        assert len(b.groups) == 8 and b.stats["sampler/gen_rounds"] == 0
+        assert b.stats["tokens/generated"] == sum(
+            b.stats[f"tokens/{f}"] for f in ("trained", "uninformative", "wasted", "carried", "paused")
+        )
+    measured = {
+        m: sum(b.stats.get("sampler/informative", 0) for b in r) / sum(b.stats["sampler/groups_generated"] for b in r)
+        for m, r in runs.items()
+    }
+    assert measured["stream"] == pytest.approx(truth, abs=0.1) and measured["fill"] == pytest.approx(truth, abs=0.1)
+    # the running estimate the in-flight count is sized by (one step's is noisy at 8 groups: averaged)
+    est = statistics.mean(b.stats["sampler/informative_frac_estimate"] for b in stream[4:])
+    assert est == pytest.approx(truth, abs=0.1)
+
+
+def test_aborted_groups_return_to_the_head_of_the_queue(pool):
+    # long responses, few engine slots: when the batch is full several groups are mid-generation
+    engine = ScriptedEngine(correct_first(lambda i: 1 + i % 3, length=lambda i, j: 3 + (i * 11 + j) % 17), capacity=8)
+    ds = loader(make_dataset(40), engine, pool, mode="stream", train_batch_size=3, shuffle=False, carry_surplus=False)
+    first = ds.next_batch()
+    s = first.stats
+    assert s["sampler/requeued"] > 0 and s["tokens/wasted"] > 0
+    trained = [g.index for g in first.groups]
+    submitted = drawn(engine)
+    aborted = [p for p in submitted if p not in trained]
+    assert ds.scheduler.queue[: len(aborted)] == aborted  # back at the head, in submission order
+    ds.next_batch()
+    again = drawn(engine)[len(submitted) :]
+    assert again[: len(aborted)] == aborted  # tried first in the next step
+    # over the epoch no prompt is skipped or repeated: each of the 40 is trained at most once, none lost
+    for _ in range(8):
+        ds.next_batch()
+    assert not set(ds.scheduler.queue) & {f.index for f in ds.scheduler.flight.values()}
+
+
+def test_stream_needs_fewer_groups_in_flight_as_the_batch_fills(pool):
+    sched = SamplingScheduler(1000, 1, group_size=G, train_batch_size=64, mode="stream", max_groups_in_flight=10_000)
+    sched.begin_step()
+    first = sched.plan()
+    # at the first step's guess p = 0.5: enough for 64 with one binomial sigma to spare, not the whole cap
+    assert 128 < len(first) < 160
+    assert sched.plan() == []  # nothing more until something is observed
+
+
+# ------------------------------------------------------------------ length bias
+
+
+class FirstFinished(SamplingScheduler):
+    """The naive rule this project does not use: accept groups in completion order, abort the rest when full."""
+
+    def close_step(self):
+        stop = super().close_step()
+        self._step.stopping = {key: False for key in stop}
+        return dict(self._step.stopping)
+
+
+def long_tailed(p: int, j: int, seed: int) -> tuple[int, bool]:
+    """Lengths from a long tail (2..80 tokens, mean ~20) drawn from the sample's seed (a resubmitted prompt gets new
+    ones, as from a real engine); long answers are wrong more often (30% right vs 70%)."""
+    r = random.Random(seed * 7919 + p)
+    length = min(80, int(r.expovariate(1 / 20)) + 2)
+    return length, r.random() < (0.7 if length < 20 else 0.3)
+
+
+def _trained_lengths(pool, mode: str, seed: int, steps: int = 40, scheduler=None, max_staleness: int = 1):
+    """Mean response length of each group trained in `steps` steps (engines run every group at once)."""
+    kw = {"mode": mode, "max_staleness": max_staleness, "seed": seed}
+    if mode == "partial":
+        kw |= {"mode": "stream", "partial_rollout": True, "max_groups_in_flight": 24}
+    ds = loader(make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=6, gen_batch_size=12, **kw)
+    if scheduler is not None:
+        ds.scheduler = scheduler(3000, 1, group_size=G, train_batch_size=6, gen_batch_size=12, **kw)
+    return [statistics.mean(g.lengths) for _ in range(steps) for g in ds.next_batch().groups]
+
+
+def test_no_length_bias_stream_and_partial_match_fill_and_first_finished_does_not(pool):
+    """Over 3 x 40 steps of 6 groups: fill sees every round to its end, so its trained groups are the unbiased
+    reference; stream and partial rollout must match it, and first-finished-with-abort (which re-samples a long
+    group until it comes out short) must not. Partial rollout's staleness bound is set so the long tail fits in it:
+    then no started group is dropped, and none is kept or lost for its length. (At max_staleness 4 here the bound
+    drops ~3% of the tokens, the longest groups, and the mean falls to ~18.7: the bias is the bound's alone.)"""
+    means = {"fill": [], "stream": [], "partial": [], "first_finished": []}
+    for seed in range(3):
+        fill = _trained_lengths(pool, "fill", seed)
+        stream = _trained_lengths(pool, "stream", seed)
+        assert stream[:6] == fill[:6]  # the same first batch, exactly
+        means["fill"].append(statistics.mean(fill))
+        means["stream"].append(statistics.mean(stream))
+        means["partial"].append(statistics.mean(_trained_lengths(pool, "partial", seed, max_staleness=8)))
+        naive = _trained_lengths(pool, "partial", seed, scheduler=FirstFinished)
+        means["first_finished"].append(statistics.mean(naive))
+    m = {k: statistics.mean(v) for k, v in means.items()}
+    print("mean trained response length:", {k: round(v, 2) for k, v in m.items()})  # seen: 21.7 / 21.8 / 21.3 / 12.4
+    assert 17 < m["fill"] < 26
+    assert abs(m["stream"] - m["fill"]) < 1.0 and abs(m["partial"] - m["fill"]) < 1.5
+    assert m["first_finished"] < m["fill"] - 4
+
+
+def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
+    # a few very long groups: they cannot finish within the one extra step that max_staleness=1 allows
+    script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
+    engine = ScriptedEngine(script, capacity=12)
+    ds = loader(
+        make_dataset(100),
+        engine,
+        pool,
+        mode="stream",
+        partial_rollout=True,
+        max_staleness=1,
+        train_batch_size=4,
+        max_groups_in_flight=6,
+        max_response_length=120,
+    )
+    dropped = 0
+    for _ in range(12):
+        b = ds.next_batch()
+        v = ds.version - 1  # the version this batch is trained at
+        for g in b.groups:
+            for r in b.local[g.key]:
+                assert all(0 <= v - x <= 1 for x in r.versions)  # every trained token at most 1 version old
+        assert set(k for k in b.stats if k.startswith("staleness/")) == {"staleness/tokens_0", "staleness/tokens_1"}
+        assert b.stats["staleness/tokens_0"] + b.stats["staleness/tokens_1"] == sum(g.tokens for g in b.groups)
+        dropped += b.stats["tokens/wasted"] + b.stats["tokens/wasted_earlier"]
+    assert dropped > 0  # the 90-token groups were dropped (and their prompts requeued), not trained stale
+
+
+def test_paused_groups_continue_with_their_tokens_and_versions(pool):
+    engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 6 if i % 2 else 30), capacity=16)
+    ds = loader(
+        make_dataset(50),
+        engine,
+        pool,
+        mode="stream",
+        partial_rollout=True,
+        max_staleness=2,
+        train_batch_size=3,
+        max_groups_in_flight=4,
+        max_response_length=100,
+        shuffle=False,
+    )
+    first = ds.next_batch()
+    paused = {p.key: ds.partial[p.key] for p in ds.scheduler.paused}
+    assert paused and first.stats["tokens/paused"] > 0
+    seen = {}
+    for _ in range(4):
+        b = ds.next_batch()
+        seen.update({g.key: b.local[g.key] for g in b.groups})
+    resumed = [k for k in paused if k in seen]
+    assert resumed
+    for k in resumed:
+        for before, after in zip(paused[k], seen[k]):
+            assert after.token_ids[: len(before.token_ids)] == before.token_ids  # old tokens kept
+            assert after.versions[: len(before.versions)] == before.versions == [0] * len(before.versions)
+            assert set(after.versions[len(before.versions) :]) <= {1, 2}
+
+
+# ------------------------------------------------------------------ shortfall
+
+
+def test_shortfall_error_or_train(pool):
+    script = correct_first(lambda i: 2 if i % 10 == 0 else G)  # 1 in 10 informative
+    for mode in ("stream", "fill"):
+        ds = loader(
+            make_dataset(40),
+            ScriptedEngine(script),
+            pool,
+            mode=mode,
+            train_batch_size=5,
+            gen_batch_size=5,
+            max_gen_batches=2,
+            shuffle=False,
+        )
+        with pytest.raises(DynamicSamplingError, match="only 1 of sampler.train_batch_size=5"):
+            ds.next_batch()
+        ds = loader(
+            make_dataset(40),
+            ScriptedEngine(script),
+            pool,
+            mode=mode,
+            train_batch_size=5,
+            gen_batch_size=5,
+            max_gen_batches=2,
+            shuffle=False,
+            on_shortfall="train",
+        )
+        b = ds.next_batch()
+        assert len(b.groups) == 1 and b.stats["sampler/shortfall"] == 1.0
+        ds = loader(
+            make_dataset(40),
+            ScriptedEngine(script),
+            pool,
+            mode=mode,
+            train_batch_size=5,
+            gen_batch_size=5,
+            max_gen_batches=2,
+            shuffle=False,
+            on_shortfall="train",
+            min_groups=2,
+        )
+        with pytest.raises(DynamicSamplingError):
+            ds.next_batch()
+    with pytest.raises(ConfigError, match="sampler.min_groups=9"):
+        load_config(overrides=["sampler.train_batch_size=8", "sampler.min_groups=9"])
+    with pytest.raises(ConfigError, match="sampler.on_shortfall='skip'"):
+        load_config(overrides=["sampler.on_shortfall=skip"])
+
+
+def test_partial_rollout_needs_stream_staleness_and_truncated_is():
+    with pytest.raises(ConfigError, match="algorithm.tis_cap"):
+        load_config(overrides=["sampler.partial_rollout=true"])
+    with pytest.raises(ConfigError, match="sampler.partial_rollout=True: expected sampler.mode=stream"):
+        load_config(overrides=["sampler.partial_rollout=true", "sampler.mode=fill", "algorithm.tis_cap=2"])
+    with pytest.raises(ConfigError, match="sampler.max_staleness=0"):
+        load_config(overrides=["sampler.partial_rollout=true", "sampler.max_staleness=0", "algorithm.tis_cap=2"])
+    load_config(overrides=["sampler.partial_rollout=true", "algorithm.tis_cap=2"])
+
+
+# ------------------------------------------------------------------ several engines
+
+
+def test_two_engines_share_the_work_and_match_one_engine(pool):
+    rng = random.Random()
+    correct = {i: rng.choice([0, 1, 2, G]) for i in range(200)}
+    script = correct_first(lambda i: correct[i], length=lambda i, j: 1 + (i + 3 * j) % 11)
+    one = loader(
+        make_dataset(200), ScriptedEngine(script, capacity=16), pool, mode="fill", train_batch_size=6, gen_batch_size=10
+    )
+    engines = {0: ScriptedEngine(script, capacity=8), 1: ScriptedEngine(script, capacity=8)}
+    two = loader(make_dataset(200), engines, pool, mode="fill", train_batch_size=6, gen_batch_size=10)
+    for _ in range(3):
+        a, b = one.next_batch(), two.next_batch()
+        assert [(g.index, g.lengths, g.acc) for g in a.groups] == [(g.index, g.lengths, g.acc) for g in b.groups]
+    assert engines[0].submitted and engines[1].submitted  # both did work
+    assert abs(len(engines[0].submitted) - len(engines[1].submitted)) <= 1  # least-loaded first: balanced

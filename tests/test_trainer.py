@@ -16,31 +16,63 @@ import torch
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.data.types import Group, Prompt, Response
+from megatron_dapo.data.scheduler import GroupMeta
+from megatron_dapo.data.types import Prompt, Response
 from megatron_dapo.model.tiny import build_tiny_qwen2
-from megatron_dapo.trainer import samples_from_groups
+from megatron_dapo.trainer import minibatch_ids, train_samples
+
+
+def _meta(key: int, index: int, rewards: list[float], truncated: list[bool]) -> GroupMeta:
+    n = len(rewards)
+    return GroupMeta(
+        key=key,
+        index=index,
+        engine=0,
+        version=0,
+        lengths=[k + 1 for k in range(n)],
+        acc=[r > 0 for r in rewards],
+        scores=[1.0 if r > 0 else -1.0 for r in rewards],
+        rewards=rewards,
+        truncated=truncated,
+        informative=True,
+        version_tokens=[n * (n + 1) // 2],
+    )
 
 
 def test_samples_take_their_groups_advantage_and_overlong_filter():
-    prompt = Prompt(index=0, messages=[], text="", token_ids=[1, 2], ground_truth="1", data_source="x")
-    responses = [
-        Response(token_ids=[5] * (k + 1), text="", logprobs=[-0.5] * (k + 1), truncated=k == 3) for k in range(4)
+    prompts = [
+        Prompt(index=i, messages=[], text="", token_ids=[1, 2, i], ground_truth="1", data_source="x") for i in range(3)
     ]
-    groups = [
-        Group(
-            prompt=prompt,
-            responses=responses,
-            scores=[1, -1, -1, -1],
-            acc=[1, 0, 0, 0],
-            rewards=[1.0, -1.0, -1.2, -2.0],
-        )
+    batch = [
+        _meta(7, 2, [1.0, -1.0, -1.2, -2.0], [False, False, False, True]),
+        _meta(9, 0, [0.5, -1.0, 1.0, 1.0], [False] * 4),
     ]
-    samples = samples_from_groups(groups, 1e-6, overlong_filter=True)
-    want = group_advantages(torch.tensor([[1.0, -1.0, -1.2, -2.0]]))[0].tolist()
-    assert [s.advantage for s in samples] == want
-    assert [s.in_loss for s in samples] == [True, True, True, False]
-    assert [len(s.response_ids) for s in samples] == [1, 2, 3, 4] and samples[2].rollout_logp.tolist() == [-0.5] * 3
-    assert all(s.in_loss for s in samples_from_groups(groups, 1e-6, overlong_filter=False))
+    responses = {
+        (g.key, j): Response(token_ids=[5] * (j + 1), text="", logprobs=[-0.5] * (j + 1))
+        for g in batch
+        for j in range(4)
+    }
+    ids = [(7, 0), (7, 1), (7, 2), (7, 3), (9, 1)]
+    samples = train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=True)
+    # the group's advantage over all 4 of its responses, in float64, whichever of them this rank trains
+    want = group_advantages(torch.tensor([g.rewards for g in batch], dtype=torch.float64))
+    assert [s.advantage for s in samples] == [float(want[0, j]) for j in range(4)] + [float(want[1, 1])]
+    assert [s.in_loss for s in samples] == [True, True, True, False, True]
+    assert samples[0].prompt_ids == [1, 2, 2] and samples[4].prompt_ids == [1, 2, 0]
+    assert [len(s.response_ids) for s in samples] == [1, 2, 3, 4, 2] and samples[2].rollout_logp.tolist() == [-0.5] * 3
+    assert all(s.in_loss for s in train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=False))
+    assert train_samples(batch, [], responses, prompts, 1e-6, overlong_filter=True) == []
+
+
+def test_minibatch_ids_split_each_minibatch_evenly_over_data_parallel_ranks():
+    batch = [_meta(k, k, [1.0, -1.0, 1.0, -1.0], [False] * 4) for k in (3, 5, 8)]  # 12 responses
+    flat = [(k, j) for k in (3, 5, 8) for j in range(4)]
+    assert minibatch_ids(batch, 12, 1, 0) == [flat]
+    assert minibatch_ids(batch, 6, 2, 0) == [flat[0:3], flat[6:9]]
+    assert minibatch_ids(batch, 6, 2, 1) == [flat[3:6], flat[9:12]]
+    # every response trained exactly once over the ranks
+    got = sorted(sid for r in range(3) for mb in minibatch_ids(batch, 6, 3, r) for sid in mb)
+    assert got == sorted(flat)
 
 
 def test_layouts_the_rollout_or_the_data_parallel_split_cannot_use_are_refused():
@@ -77,7 +109,8 @@ DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "roll
 
 
 def _comparable(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k}
+    """The metrics a rerun must reproduce: not times, and not bytes moved between ranks (they depend on the layout)."""
+    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +168,12 @@ def test_two_rollout_steps_end_to_end(two_steps):
 
 
 def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tmp_path):
-    """torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, each sampling half of every round's prompts.
+    """torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, fed groups on demand by the scheduler.
 
-    Rollouts are seeded by global prompt position, so the samples, rewards and every count are
-    those of the 1-process run exactly. The losses, ratios, grad norm and logprob mismatch agree
+    Groups are seeded by their submission number and stream mode trains the first informative groups in
+    submission order, so the trained samples do not depend on the number of engines; without dynamic
+    sampling nothing is requeued either, so rewards and every count are those of the 1-process run
+    exactly, and each response crosses to the rank that trains it. The losses, ratios, grad norm and logprob mismatch agree
     within fp32 rounding, not bit for bit: each rank sums its half of a mini-batch (in its own
     micro-batch shapes) before the DP all-reduce adds the halves, so the sums are associated
     differently, and step 2 then starts from weights that differ in the last bits.
@@ -147,6 +182,9 @@ def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tm
     run = tmp_path / "dp2"
     proc = _train([*overrides, f"trainer.run_dir={run}"], nproc=2)
     assert proc.stdout.count("step 2 | reward") == 1  # rank 0 alone reports
+    assert all(m["sampler/bytes_moved"] == 0 for m in _metrics(ref_run))
+    # the summaries reach both ranks; here each DP rank's share happens to come from its own engine (tested apart)
+    assert all(m["sampler/bytes_gathered"] > 0 for m in _metrics(run))
     want, got = [_comparable(m) for m in _metrics(ref_run)], [_comparable(m) for m in _metrics(run)]
     assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
     for w, g in zip(want, got):

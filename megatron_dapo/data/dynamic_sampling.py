@@ -1,75 +1,133 @@
-"""The streaming dynamic-sampling loader (DAPO section 3.2).
+"""The dynamic-sampling loader (DAPO section 3.2): prompt groups stream through the engines until the batch is full.
 
-Each rollout step it draws prompts in generation rounds of `gen_batch_size` prompts x
-`group_size` responses through an injected rollout function, scores them, and keeps the
-informative groups (0 < #correct < G, judged on raw correctness) until
-`train_batch_size` groups are collected. Surplus informative groups are carried over to
-the next step, not thrown away. `max_gen_batches` rounds without filling the batch end in
-an error that says what was found. `dynamic_bs` mode (AReaL) instead trains on whatever
-one round of `train_batch_size` prompts accepted.
+Each rollout step, in ticks of `sampler.tick_steps` engine steps:
 
-Prompt order: a queue of dataset indices, refilled with a fresh permutation (seeded by
-seed and epoch) whenever it runs dry. A prompt already in the current step (drawn this
-step or carried over) is passed over and stays queued for a later step, so no prompt
-appears twice in a step and none is skipped or repeated across steps. The queue, the
-epoch counter and the carried-over groups are the loader's state.
+1. the scheduler (scheduler.py, the same on every rank) says which new groups to submit and to
+   which engine; each rank submits those for its own engine;
+2. every engine runs the tick's steps (continuous batching keeps it full); a group whose last
+   sample finishes is shaped (soft overlong punishment), filtered (0 < #correct < G on raw
+   correctness, or the user's sampler.filter) and handed to the reward pool right away, so
+   scoring overlaps generation;
+3. the groups scored since the previous tick are summarised (GroupMeta) and gathered on every
+   rank, in one order, and the scheduler observes them.
+
+When the batch is full the scheduler stops what is still generating: aborted (prompts back to
+the head of the queue), or with partial rollout paused, their tokens kept on their engine's
+rank to continue after the weight sync. The loader returns the batch's summaries (every rank)
+and this rank's own responses; exchange.deliver then moves each trained response to the ranks
+that train it.
+
+A group's responses live only on the rank of the engine that made it (its "owner"). With
+sampler.mode=fill or dynamic_bs the same machinery generates whole rounds (other trainers'
+samplers, for comparison). Every decision is a function of what was observed at tick
+boundaries, never of wall-clock time, so every rank takes the same decisions and a resumed run
+repeats an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Protocol
 
-import numpy as np
 import torch
 
 from megatron_dapo.algorithm import informative_groups, soft_overlong_punishment
-from megatron_dapo.config import SAMPLER_MODES, Config
+from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.data.exchange import Comm, gather_metas, gather_stopped
+from megatron_dapo.data.scheduler import (
+    DynamicSamplingError,
+    GroupMeta,
+    SamplingScheduler,
+    Stopped,
+    Submission,
+)
 from megatron_dapo.data.types import Group, Prompt, Response
+from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 
 log = logging.getLogger("megatron_dapo.data")
 
-RolloutFn = Callable[[list[Prompt], int], list[list[Response]]]
-"""(prompts, n) -> for each prompt, its n responses."""
+__all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "StepBatch", "load_group_filter"]
+
 GroupFilter = Callable[[Group], bool]
 """A user's replacement for the informative test: True keeps the group for training."""
 
 
-class Scorer(Protocol):
+class AsyncScorer(Protocol):
     """What the loader needs of a reward scorer (megatron_dapo.reward.RewardPool is one)."""
 
-    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> Any:
-        """Returns an object with .scores: list[float], .acc: list[bool], .metrics: dict[str, float]."""
+    def submit(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> int: ...
 
+    def poll(self) -> None: ...
 
-class DynamicSamplingError(RuntimeError):
-    """The loader cannot fill a batch: too few informative groups within the cap, or too few prompts."""
+    def result(self, ticket: int) -> Any:
+        """An object with .scores: list[float], .acc: list[bool], .status: list[str]."""
 
 
 @dataclass
 class StepBatch:
     """One rollout step's training groups and what it took to collect them."""
 
-    groups: list[Group]
+    groups: list[GroupMeta]
+    """The batch, in training order (every rank has the same list)."""
+    local: dict[int, list[Response]]
+    """The responses of the batch's groups this rank owns, by group key."""
     stats: dict[str, float]
 
 
+def load_group_filter(spec: str) -> GroupFilter:
+    """'package.module:function' -> the function; ConfigError naming sampler.filter when it cannot be used."""
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise ConfigError(f"config field sampler.filter={spec!r}: expected 'package.module:function'")
+    module_name, fn_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix: say which
+        raise ConfigError(f"config field sampler.filter={spec!r}: cannot import {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"config field sampler.filter={spec!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
 class DynamicSamplingLoader:
+    """Collects each rollout step's groups; see the module docstring.
+
+    dataset: the prompts (every rank holds the same dataset). engines: {engine id: engine} this rank
+    drives (one on CPU; on GPU every rank of an engine's tensor-parallel group drives it and only
+    the first one owns its groups: `owned`). num_engines: engines in the world. scorer: the reward
+    pool. comm: the collectives (None: one process).
+    """
+
     def __init__(
         self,
         dataset: Sequence[Prompt],
-        rollout_fn: RolloutFn,
-        scorer: Scorer,
+        engines: Mapping[int, StreamingEngine],
+        scorer: AsyncScorer,
         *,
+        num_engines: int = 1,
+        owned: Optional[set[int]] = None,
+        comm: Optional[Comm] = None,
         group_size: int = 16,
         train_batch_size: int = 512,
         gen_batch_size: int = 1536,
         max_gen_batches: int = 10,
-        mode: str = "fill",
+        mode: str = "stream",
+        carry_surplus: bool = True,
+        partial_rollout: bool = False,
+        max_staleness: int = 1,
+        max_groups_in_flight: int = 1536,
+        on_shortfall: str = "error",
+        min_groups: int = 1,
+        tick_steps: int = 8,
         dynamic_sampling: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
         max_response_length: int = 20480,
+        stop_token_ids: Optional[list[int]] = None,
         overlong_punishment: bool = True,
         overlong_buffer_len: int = 4096,
         overlong_penalty_factor: float = 1.0,
@@ -77,290 +135,313 @@ class DynamicSamplingLoader:
         seed: int = 42,
         filter_fn: Optional[GroupFilter] = None,
     ) -> None:
-        if mode not in SAMPLER_MODES:
-            raise ValueError(f"sampler.mode={mode!r}: expected one of {SAMPLER_MODES}")
         if group_size < 2:
             raise ValueError(f"algorithm.group_size={group_size}: expected an integer >= 2")
-        if len(dataset) == 0:
-            raise ValueError("DynamicSamplingLoader: the dataset is empty")
+        if tick_steps < 1:
+            raise ValueError(f"sampler.tick_steps={tick_steps}: expected an integer >= 1")
         self.dataset = dataset
-        self.rollout_fn = rollout_fn
+        self.engines = dict(engines)
+        self.owned = set(self.engines) if owned is None else set(owned)
         self.scorer = scorer
+        self.comm = comm or Comm()
+        self.scheduler = SamplingScheduler(
+            len(dataset),
+            num_engines,
+            group_size=group_size,
+            train_batch_size=train_batch_size,
+            gen_batch_size=gen_batch_size,
+            max_gen_batches=max_gen_batches,
+            mode=mode,
+            carry_surplus=carry_surplus,
+            partial_rollout=partial_rollout,
+            max_staleness=max_staleness,
+            max_groups_in_flight=max_groups_in_flight,
+            on_shortfall=on_shortfall,
+            min_groups=min_groups,
+            dynamic_sampling=dynamic_sampling or filter_fn is not None,
+            shuffle=shuffle,
+            seed=seed,
+        )
         self.group_size = group_size
-        self.train_batch_size = train_batch_size
-        self.gen_batch_size = gen_batch_size
-        self.max_gen_batches = max_gen_batches
-        self.mode = mode
+        self.max_staleness = max_staleness
+        self.tick_steps = tick_steps
         self.dynamic_sampling = dynamic_sampling
+        self.sampling = dict(
+            temperature=temperature, top_p=top_p, max_tokens=max_response_length, stop_token_ids=stop_token_ids
+        )
         self.max_response_length = max_response_length
         self.overlong_punishment = overlong_punishment
         self.overlong_buffer_len = overlong_buffer_len
         self.overlong_penalty_factor = overlong_penalty_factor
-        self.shuffle = shuffle
-        self.seed = seed
         self.filter_fn = filter_fn
-        self.epoch = 0  # permutations appended to the queue so far
-        self.steps = 0  # batches returned so far
-        self.queue: list[int] = []
-        self.carry: list[Group] = []
+        # this rank's share of the state: responses of the groups it owns that outlive a step
+        self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
+        self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
+        self._pending: list[tuple[int, int, Group, int]] = []  # (ticket, key, group, engine) being scored
+        self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
 
     @classmethod
     def from_config(
         cls,
         cfg: Config,
         dataset: Sequence[Prompt],
-        rollout_fn: RolloutFn,
-        scorer: Scorer,
-        filter_fn: Optional[GroupFilter] = None,
+        engines: Mapping[int, StreamingEngine],
+        scorer: AsyncScorer,
+        *,
+        num_engines: int = 1,
+        owned: Optional[set[int]] = None,
+        comm: Optional[Comm] = None,
+        stop_token_ids: Optional[list[int]] = None,
     ) -> DynamicSamplingLoader:
-        a, s = cfg.algorithm, cfg.sampler
+        a, s, r = cfg.algorithm, cfg.sampler, cfg.rollout
         return cls(
             dataset,
-            rollout_fn,
+            engines,
             scorer,
+            num_engines=num_engines,
+            owned=owned,
+            comm=comm,
             group_size=a.group_size,
             train_batch_size=s.train_batch_size,
             gen_batch_size=s.gen_batch_size,
             max_gen_batches=s.max_gen_batches,
             mode=s.mode,
+            carry_surplus=s.carry_surplus,
+            partial_rollout=s.partial_rollout,
+            max_staleness=s.max_staleness,
+            max_groups_in_flight=s.max_groups_in_flight,
+            on_shortfall=s.on_shortfall,
+            min_groups=s.min_groups,
+            tick_steps=s.tick_steps,
             dynamic_sampling=a.dynamic_sampling,
-            max_response_length=cfg.rollout.max_response_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_response_length=r.max_response_length,
+            stop_token_ids=stop_token_ids,
             overlong_punishment=a.overlong_punishment,
             overlong_buffer_len=a.overlong_buffer_len,
             overlong_penalty_factor=a.overlong_penalty_factor,
             shuffle=cfg.data.shuffle,
             seed=cfg.seed,
-            filter_fn=filter_fn,
+            filter_fn=load_group_filter(s.filter) if s.filter else None,
         )
 
-    # ---------------------------------------------------------------- prompt order
-
-    def _permutation(self, epoch: int) -> list[int]:
-        n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        return np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
-
-    def _draw(self, k: int, in_step: set[int]) -> list[int]:
-        """Take up to k queued prompts not yet in this step; fewer only when every prompt is."""
-        drawn: list[int] = []
-        passed_over: list[int] = []
-        i = 0
-        while len(drawn) < k:
-            if i == len(self.queue):
-                if len(in_step) >= len(self.dataset):
-                    break
-                self.queue.extend(self._permutation(self.epoch))  # a new epoch, reshuffled
-                self.epoch += 1
-            idx = self.queue[i]
-            i += 1
-            if idx in in_step:
-                passed_over.append(idx)  # stays queued, in order, for a later step
-            else:
-                drawn.append(idx)
-                in_step.add(idx)
-        self.queue = passed_over + self.queue[i:]
-        return drawn
-
-    # ---------------------------------------------------------------- one round
-
-    def _generate(self, indices: list[int]) -> tuple[list[Group], dict[str, float]]:
-        """Roll out, score and shape the rewards of one generation round."""
-        prompts = [self.dataset[i] for i in indices]
-        t0 = time.perf_counter()
-        outputs = self.rollout_fn(prompts, self.group_size)
-        t_rollout = time.perf_counter() - t0
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"rollout returned {len(outputs)} groups for {len(prompts)} prompts")
-        for p, responses in zip(prompts, outputs):
-            if len(responses) != self.group_size:
-                raise RuntimeError(
-                    f"rollout returned {len(responses)} responses for prompt {p.index}, "
-                    f"expected algorithm.group_size={self.group_size}"
-                )
-        flat = [r for responses in outputs for r in responses]
-        t0 = time.perf_counter()
-        scored = self.scorer.score(
-            [r.text for r in flat],
-            [p.ground_truth for p in prompts for _ in range(self.group_size)],
-            [p.data_source for p in prompts for _ in range(self.group_size)],
-        )
-        t_reward = time.perf_counter() - t0
-        shape = (len(prompts), self.group_size)
-        scores = torch.tensor(scored.scores, dtype=torch.float32).view(shape)
-        lengths = torch.tensor([len(r.token_ids) for r in flat], dtype=torch.long).view(shape)
-        rewards = scores.clone()
-        if self.overlong_punishment:
-            rewards += soft_overlong_punishment(
-                lengths.flatten(), self.max_response_length, self.overlong_buffer_len, self.overlong_penalty_factor
-            ).view(shape)
-        acc = [bool(a) for a in scored.acc]
-        groups = [
-            Group(
-                prompt=p,
-                responses=list(responses),
-                scores=scores[i].tolist(),
-                acc=acc[i * self.group_size : (i + 1) * self.group_size],
-                rewards=rewards[i].tolist(),
-                meta={"step": self.steps},
-            )
-            for i, (p, responses) in enumerate(zip(prompts, outputs))
-        ]
-        stats = {
-            "timing/rollout": t_rollout,
-            "timing/reward": t_reward,
-            "reward/timeouts": float(scored.metrics.get("reward/timeouts", 0)),
-            "reward/errors": float(scored.metrics.get("reward/errors", 0)),
-            "response/tokens": float(lengths.sum()),
-            "response/length_max": float(lengths.max()) if lengths.numel() else 0.0,
-            "response/truncated": float(sum(r.truncated for r in flat)),
-            "reward/shaped_sum": float(rewards.sum()),
-            "reward/score_sum": float(scores.sum()),
-            "reward/correct": float(sum(acc)),
-        }
-        return groups, stats
-
-    def _accept(self, groups: list[Group]) -> list[bool]:
-        if self.filter_fn is not None:
-            return [bool(self.filter_fn(g)) for g in groups]
-        if not self.dynamic_sampling:
-            return [True] * len(groups)
-        correct = torch.tensor([g.acc for g in groups], dtype=torch.bool).view(len(groups), self.group_size)
-        return informative_groups(correct).tolist()
+    @property
+    def version(self) -> int:
+        """The policy version generating now: weight syncs so far."""
+        return self.scheduler.version
 
     # ---------------------------------------------------------------- a step
 
     def next_batch(self) -> StepBatch:
-        """Collect one rollout step's groups. Raises DynamicSamplingError when it cannot."""
-        carried_in = len(self.carry)
-        batch, self.carry = self.carry, []
-        in_step = {g.prompt.index for g in batch}
-        totals: dict[str, float] = {}
-        counts = {"groups": 0, "accepted": 0, "all_correct": 0, "all_wrong": 0}
-        rounds = 0
-        target = self.train_batch_size
-        round_size = self.train_batch_size if self.mode == "dynamic_bs" else self.gen_batch_size
-        while self._needs_round(len(batch), rounds):
-            if self.mode == "fill" and self.max_gen_batches and rounds >= self.max_gen_batches:
-                self.carry = batch  # keep what was found: a resumed or reconfigured run can use it
-                raise DynamicSamplingError(
-                    self._shortfall(
-                        f"after {rounds} generation rounds (sampler.max_gen_batches={self.max_gen_batches})",
-                        len(batch),
-                        carried_in,
-                        counts,
-                    )
-                )
-            indices = self._draw(round_size, in_step)
-            if not indices:
-                self.carry = batch
-                raise DynamicSamplingError(
-                    self._shortfall(
-                        f"after every one of the {len(self.dataset)} prompts was tried in this step",
-                        len(batch),
-                        carried_in,
-                        counts,
-                    )
-                )
-            groups, stats = self._generate(indices)
-            rounds += 1
-            for k, v in stats.items():
-                totals[k] = max(totals.get(k, 0.0), v) if k == "response/length_max" else totals.get(k, 0.0) + v
-            keep = self._accept(groups)
-            for g, ok in zip(groups, keep):
-                counts["all_correct"] += g.num_correct == self.group_size
-                counts["all_wrong"] += g.num_correct == 0
-                if ok:
-                    batch.append(g)
-            counts["groups"] += len(groups)
-            counts["accepted"] += sum(keep)
-            log.debug(
-                "sampler round %d: %d/%d groups accepted, %d/%d collected",
-                rounds,
-                sum(keep),
-                len(groups),
-                len(batch),
-                target,
+        """Collect one rollout step's groups. Raises DynamicSamplingError when it cannot (sampler.on_shortfall)."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        engine_t0 = {e: dict(eng.stats) for e, eng in self.engines.items()} if self._has_stats() else {}
+        gathered0 = self.comm.bytes_gathered
+        self._submit(sched.begin_step())
+        ticks = 0
+        t_scoring = 0.0
+        while not sched.step_done:
+            self._submit(sched.plan())
+            for _ in range(self.tick_steps):
+                for e, engine in self.engines.items():
+                    for key, responses in engine.step():
+                        self._finished(e, key, responses)
+                self.scorer.poll()
+            t1 = time.perf_counter()
+            scored = self._collect_scored()
+            t_scoring += time.perf_counter() - t1
+            sched.observe(gather_metas(self.comm, scored, self.group_size, self.max_staleness))
+            ticks += 1
+        t_full = time.perf_counter() - t0
+        stop = sched.close_step()
+        stopped = gather_stopped(self.comm, self._stop(stop))
+        try:
+            result = sched.settle(stopped)
+        except DynamicSamplingError:
+            self._forget(keep={g.key for g in sched.carry} | {p.key for p in sched.paused})
+            raise
+        if result.shortfall is not None:
+            log.warning("training on a short batch (sampler.on_shortfall=train): %s", result.shortfall)
+        local = {g.key: self.finished[g.key].responses for g in result.batch if g.key in self.finished}
+        self._forget(keep=result.keep)
+        for g in result.batch:
+            self.finished.pop(g.key, None)  # trained now: the caller holds them (local)
+        stats = dict(result.stats)
+        stats.update(self._timing_stats(t_full, ticks, t_scoring, engine_t0))
+        stats["sampler/bytes_gathered"] = float(self.comm.sum([self.comm.bytes_gathered - gathered0])[0])
+        return StepBatch(groups=result.batch, local=local, stats=stats)
+
+    def _has_stats(self) -> bool:
+        return all(hasattr(eng, "stats") for eng in self.engines.values())
+
+    def _submit(self, submissions: list[Submission]) -> None:
+        """Hand this rank's engines their share of the scheduler's submissions."""
+        per_engine: dict[int, list[GroupRequest]] = {}
+        for sub in submissions:
+            if sub.engine not in self.engines:
+                continue  # another rank's engine
+            prompt = self.dataset[sub.index]
+            self._engine_of[sub.key] = sub.engine
+            request = GroupRequest(
+                key=sub.key,
+                prompt_ids=list(prompt.token_ids),
+                n=self.group_size,
+                seed=sub.seed,
+                version=self.version,
+                prefixes=self.partial.pop(sub.key, None) if sub.resume else None,
             )
-        if self.mode == "fill":
-            batch, self.carry = batch[:target], batch[target:]
-        self.steps += 1
-        return StepBatch(groups=batch, stats=self._step_stats(rounds, carried_in, counts, totals, len(batch)))
+            per_engine.setdefault(sub.engine, []).append(request)
+        for e, requests in per_engine.items():
+            self.engines[e].submit(requests, **self.sampling)
 
-    def _needs_round(self, collected: int, rounds: int) -> bool:
-        if self.mode == "dynamic_bs":
-            return rounds == 0  # one round, whatever it accepted
-        return collected < self.train_batch_size
+    def _finished(self, engine: int, key: int, responses: list[Response]) -> None:
+        """A group's last sample finished: shape its rewards and start scoring it (owner only)."""
+        self._engine_of.pop(key, None)
+        if engine not in self.owned:
+            return
+        prompt = self.dataset[self.scheduler.flight[key].index]
+        if len(responses) != self.group_size:
+            raise RuntimeError(
+                f"engine {engine} returned {len(responses)} responses for group {key} (prompt {prompt.index}), "
+                f"expected algorithm.group_size={self.group_size}"
+            )
+        group = Group(prompt=prompt, responses=responses, scores=[], acc=[], rewards=[], meta={"key": key})
+        ticket = self.scorer.submit(
+            [r.text for r in responses], [prompt.ground_truth] * len(responses), [prompt.data_source] * len(responses)
+        )
+        self._pending.append((ticket, key, group, engine))
 
-    def _shortfall(self, when: str, found: int, carried_in: int, counts: dict[str, int]) -> str:
-        frac = counts["accepted"] / counts["groups"] if counts["groups"] else 0.0
-        return (
-            f"dynamic sampling: {when}, only {found} of sampler.train_batch_size={self.train_batch_size} "
-            f"informative groups were found ({carried_in} carried over; {counts['accepted']} of {counts['groups']} "
-            f"groups generated this step were informative, fraction {frac:.3f}; {counts['all_correct']} all correct, "
-            f"{counts['all_wrong']} all wrong). Raise sampler.max_gen_batches or sampler.gen_batch_size, lower "
-            f"sampler.train_batch_size, or use a dataset whose difficulty suits the policy."
+    def _collect_scored(self) -> list[GroupMeta]:
+        """The groups handed to the pool before this tick's steps ended: wait for their scores, summarise them."""
+        pending, self._pending = self._pending, []
+        return [
+            self._summarise(key, group, engine, self.scorer.result(ticket)) for ticket, key, group, engine in pending
+        ]
+
+    def _summarise(self, key: int, group: Group, engine: int, scored: Any) -> GroupMeta:
+        responses = group.responses
+        lengths = [len(r.token_ids) for r in responses]
+        scores = [float(x) for x in scored.scores]
+        rewards = torch.tensor(scores, dtype=torch.float64)
+        if self.overlong_punishment:
+            rewards += soft_overlong_punishment(
+                torch.tensor(lengths), self.max_response_length, self.overlong_buffer_len, self.overlong_penalty_factor
+            ).double()
+        group.scores, group.acc, group.rewards = scores, [bool(a) for a in scored.acc], rewards.tolist()
+        if self.filter_fn is not None:
+            informative = bool(self.filter_fn(group))
+        elif self.dynamic_sampling:
+            informative = bool(informative_groups(torch.tensor([group.acc]))[0])
+        else:
+            informative = True
+        versions = [v for r in responses for v in (r.versions or [self.version] * len(r.token_ids))]
+        first = min(versions, default=self.version)
+        counts = [0] * (max(versions, default=first) - first + 1)
+        for v in versions:
+            counts[v - first] += 1
+        self.finished[key] = group
+        status = list(scored.status)
+        return GroupMeta(
+            key=key,
+            index=group.prompt.index,
+            engine=engine,
+            version=first,
+            lengths=lengths,
+            acc=group.acc,
+            scores=scores,
+            rewards=group.rewards,
+            truncated=[bool(r.truncated) for r in responses],
+            informative=informative,
+            version_tokens=counts,
+            reward_timeouts=status.count("timeout"),
+            reward_errors=status.count("error"),
         )
 
-    def _step_stats(
-        self, rounds: int, carried_in: int, counts: dict[str, int], totals: dict[str, float], batch_size: int
+    def _stop(self, stop: dict[int, bool]) -> dict[int, Stopped]:
+        """Abort (keep=False) or pause (keep=True) the groups still generating; report what this rank had of them."""
+        out: dict[int, Stopped] = {}
+        # finished in the last tick but not observed yet: the scheduler counts them as still generating
+        still_scoring = {key: group for _, key, group, _ in self._pending}
+        for ticket, *_ in self._pending:
+            self.scorer.result(ticket)  # drained, so the pool holds nothing of a finished step
+        self._pending = []
+        by_engine: dict[int, list[int]] = {}
+        for key in stop:
+            e = self._engine_of.get(key)
+            if e is not None:
+                by_engine.setdefault(e, []).append(key)
+        stopped_samples: dict[int, list[Response]] = {}
+        for e, keys in by_engine.items():
+            aborted = self.engines[e].abort(sorted(keys))
+            if e in self.owned:
+                stopped_samples.update(aborted)
+            for key in keys:
+                self._engine_of.pop(key, None)
+        for key, group in still_scoring.items():
+            if key in stop:
+                stopped_samples[key] = group.responses
+        for key, samples in stopped_samples.items():
+            versions = [v for r in samples for v in (r.versions or [self.version] * len(r.token_ids))]
+            out[key] = Stopped(
+                tokens=len(versions),
+                tokens_now=sum(v == self.version for v in versions),
+                first_version=min(versions) if versions else None,
+            )
+            if stop[key]:
+                self.partial[key] = samples  # kept only if settle() pauses it (see _forget)
+        return out
+
+    def _forget(self, keep: set[int]) -> None:
+        """Drop this rank's responses of every group the scheduler no longer needs."""
+        self.finished = {k: g for k, g in self.finished.items() if k in keep}
+        self.partial = {k: s for k, s in self.partial.items() if k in keep}
+
+    def _timing_stats(
+        self, t_full: float, ticks: int, t_scoring: float, engine_t0: dict[int, dict[str, float]]
     ) -> dict[str, float]:
-        stats = {
-            "sampler/gen_rounds": float(rounds),
-            "sampler/groups_generated": float(counts["groups"]),
-            "sampler/carried_in": float(carried_in),
-            "sampler/carried_out": float(len(self.carry)),
-            "sampler/batch_groups": float(batch_size),
-            "sampler/epoch": float(self.epoch),
+        """Per-step timing and engine activity, summed (busy) or maxed (times) over ranks."""
+        steps = busy = 0.0
+        for e, before in engine_t0.items():
+            after = self.engines[e].stats
+            steps += after.get("stream_steps", 0.0) - before.get("stream_steps", 0.0)
+            busy += after.get("stream_busy_steps", 0.0) - before.get("stream_busy_steps", 0.0)
+        steps, busy = self.comm.sum([steps, busy])
+        t_full, t_scoring = self.comm.max([t_full, t_scoring])
+        out = {
+            "sampler/ticks": float(ticks),
+            "timing/rollout": t_full,
+            "timing/reward_wait": t_scoring,
         }
-        if not counts["groups"]:
-            return stats  # served from the carry: no fresh rollout, so no rates (a 0 would read as a collapse)
-        groups = counts["groups"]
-        responses = groups * self.group_size
-        return stats | {
-            "sampler/informative": float(counts["accepted"]),
-            "sampler/informative_frac": counts["accepted"] / groups,
-            "sampler/all_correct": float(counts["all_correct"]),
-            "sampler/all_wrong": float(counts["all_wrong"]),
-            "reward/mean": totals.get("reward/shaped_sum", 0.0) / responses,
-            "reward/score_mean": totals.get("reward/score_sum", 0.0) / responses,
-            "reward/acc": totals.get("reward/correct", 0.0) / responses,
-            "reward/timeouts": totals.get("reward/timeouts", 0.0),
-            "reward/errors": totals.get("reward/errors", 0.0),
-            "response/length_mean": totals.get("response/tokens", 0.0) / responses,
-            "response/length_max": totals.get("response/length_max", 0.0),
-            "response/truncated_frac": totals.get("response/truncated", 0.0) / responses,
-            "timing/rollout": totals.get("timing/rollout", 0.0),
-            "timing/reward": totals.get("timing/reward", 0.0),
-        }
+        if steps:
+            out["sampler/engine_busy_frac"] = busy / steps
+        return out
 
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue without repeating or skipping prompts (plain containers)."""
+        """The scheduler's state (the same on every rank) and this rank's responses of groups that outlive the step."""
         return {
-            "version": 1,
-            "dataset_size": len(self.dataset),
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "steps": self.steps,
-            "queue": list(self.queue),
-            "carry": [g.to_dict() for g in self.carry],
+            "scheduler": self.scheduler.state_dict(),
+            "finished": {k: g.to_dict() for k, g in self.finished.items()},
+            "partial": {k: [asdict(r) for r in samples] for k, samples in self.partial.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"dynamic-sampling loader state: unknown version {state.get('version')!r}, expected 1")
-        if state["dataset_size"] != len(self.dataset):
+        if "scheduler" not in state:
             raise ValueError(
-                f"dynamic-sampling loader state was saved with a dataset of {state['dataset_size']} prompts, "
-                f"but this dataset has {len(self.dataset)}: resuming would repeat or skip prompts"
+                "dynamic-sampling loader state has no 'scheduler' entry: it was saved by an older version of "
+                "megatron-dapo, whose checkpoints cannot be resumed by this one"
             )
-        if state["seed"] != self.seed:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.finished = {int(k): Group.from_dict(g) for k, g in state["finished"].items()}
+        self.partial = {int(k): [Response(**r) for r in samples] for k, samples in state["partial"].items()}
+        owned_keys = {g.key for g in self.scheduler.carry if g.engine in self.owned}
+        owned_keys |= {p.key for p in self.scheduler.paused if p.engine in self.owned}
+        held = set(self.finished) | set(self.partial)
+        if owned_keys != held:
             raise ValueError(
-                f"dynamic-sampling loader state was saved with seed {state['seed']}, this run has {self.seed}"
+                f"dynamic-sampling loader state: this rank owns groups {sorted(owned_keys)} by the scheduler's "
+                f"state but holds the responses of {sorted(held)}: the checkpoint's rank files do not belong together"
             )
-        self.epoch = int(state["epoch"])
-        self.steps = int(state["steps"])
-        self.queue = [int(i) for i in state["queue"]]
-        self.carry = [Group.from_dict(g) for g in state["carry"]]

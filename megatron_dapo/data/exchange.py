@@ -1,0 +1,212 @@
+"""Moving rollout data between ranks: group summaries to every rank, token payloads only where they are trained.
+
+Every rank runs the same sampling scheduler, so every rank needs each finished group's summary
+(GroupMeta: per response its length, correctness, score, shaped reward, truncation; a few
+numbers per response), gathered each tick as one float64 tensor. A response's tokens and
+logprobs stay on the rank of the engine that generated it until the step's batch is known; then
+each goes, as int32 / float32 tensors (point to point), only to the ranks of the data-parallel
+replica that trains it. Without torch.distributed (one process) nothing moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.data.scheduler import GroupMeta, Stopped
+from megatron_dapo.data.types import Response
+
+SampleId = tuple[int, int]
+"""(group key, sample index within the group)."""
+
+
+class Comm:
+    """The collectives the sampler uses, over torch.distributed's world (or a single process without one).
+
+    device: where collective tensors live (CUDA for NCCL, CPU for gloo).
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.device = device or torch.device("cpu")
+        self.bytes_gathered = 0
+        """Bytes this rank received through all_gather_rows so far (the summaries' traffic)."""
+
+    def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [r, w] float64 on this rank -> [sum of r over ranks, w], in rank order."""
+        if self.world == 1:
+            return rows
+        width = rows.shape[1]
+        counts = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
+        all_counts = [torch.zeros_like(counts) for _ in range(self.world)]
+        dist.all_gather(all_counts, counts)
+        sizes = [int(c.item()) for c in all_counts]
+        most = max(sizes)
+        if most == 0:
+            return rows.new_zeros((0, width))
+        padded = torch.zeros((most, width), dtype=torch.float64, device=self.device)
+        padded[: rows.shape[0]] = rows.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous())  # gloo sends a non-contiguous tensor wrong, silently
+        self.bytes_gathered += most * width * 8 * (self.world - 1)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise max over ranks."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+
+# ------------------------------------------------------------------ group summaries as tensor rows
+
+_HEAD = ("key", "index", "engine", "version", "informative", "reward_timeouts", "reward_errors", "versions")
+_PER_SAMPLE = ("lengths", "acc", "scores", "rewards", "truncated")
+
+
+def meta_width(group_size: int, max_staleness: int) -> int:
+    """Columns of one GroupMeta row: the head, 5 per sample, tokens per version (at most max_staleness + 1)."""
+    return len(_HEAD) + len(_PER_SAMPLE) * group_size + max_staleness + 1
+
+
+def metas_to_rows(metas: list[GroupMeta], group_size: int, max_staleness: int) -> torch.Tensor:
+    """[len(metas), meta_width] float64 (integers and flags exact: they are far below 2**53)."""
+    rows = torch.zeros((len(metas), meta_width(group_size, max_staleness)), dtype=torch.float64)
+    for i, g in enumerate(metas):
+        if len(g.version_tokens) > max_staleness + 1:
+            raise ValueError(f"group {g.key} spans {len(g.version_tokens)} policy versions: more than allowed")
+        head = [g.key, g.index, g.engine, g.version, g.informative, g.reward_timeouts, g.reward_errors]
+        row = head + [len(g.version_tokens)]
+        for name in _PER_SAMPLE:
+            row += [float(x) for x in getattr(g, name)]
+        row += g.version_tokens
+        rows[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+    return rows
+
+
+def rows_to_metas(rows: torch.Tensor, group_size: int) -> list[GroupMeta]:
+    out = []
+    for r in rows.tolist():
+        key, index, engine, version, informative, timeouts, errors, nv = (int(x) for x in r[: len(_HEAD)])
+        cols = {}
+        at = len(_HEAD)
+        for name in _PER_SAMPLE:
+            cols[name] = r[at : at + group_size]
+            at += group_size
+        out.append(
+            GroupMeta(
+                key=key,
+                index=index,
+                engine=engine,
+                version=version,
+                lengths=[int(x) for x in cols["lengths"]],
+                acc=[bool(x) for x in cols["acc"]],
+                scores=cols["scores"],
+                rewards=cols["rewards"],
+                truncated=[bool(x) for x in cols["truncated"]],
+                informative=bool(informative),
+                version_tokens=[int(x) for x in r[at : at + nv]],
+                reward_timeouts=timeouts,
+                reward_errors=errors,
+            )
+        )
+    return out
+
+
+def gather_metas(comm: Comm, metas: list[GroupMeta], group_size: int, max_staleness: int) -> list[GroupMeta]:
+    """Every rank's finished groups, on every rank (sorted by key: the scheduler's order)."""
+    rows = comm.all_gather_rows(metas_to_rows(metas, group_size, max_staleness))
+    return sorted(rows_to_metas(rows, group_size), key=lambda g: g.key)
+
+
+def gather_stopped(comm: Comm, stopped: dict[int, Stopped]) -> dict[int, Stopped]:
+    """Every rank's stopped groups (key -> what its engine had), on every rank."""
+    rows = torch.tensor(
+        [
+            [k, s.tokens, s.tokens_now, -1 if s.first_version is None else s.first_version]
+            for k, s in sorted(stopped.items())
+        ],
+        dtype=torch.float64,
+    ).reshape(-1, 4)
+    out = {}
+    for k, tokens, now, first in comm.all_gather_rows(rows).tolist():
+        out[int(k)] = Stopped(int(tokens), int(now), None if first < 0 else int(first))
+    return out
+
+
+# ------------------------------------------------------------------ training payloads
+
+
+def deliver(
+    comm: Comm,
+    batch: list[GroupMeta],
+    local: dict[int, list[Response]],
+    owner_rank: Callable[[GroupMeta], int],
+    wanted_by: Callable[[int], list[SampleId]],
+) -> tuple[dict[SampleId, Response], int]:
+    """Send each trained response to the ranks that train it; return this rank's (and the bytes it sent).
+
+    batch: the step's groups (every rank has the same list). local: this rank's responses of the
+    groups it owns, by key. owner_rank(meta): the rank holding a group's responses. wanted_by(rank):
+    the samples that rank trains (every rank computes every rank's list, so senders and receivers
+    agree without asking). Returns {(key, j): Response with token_ids and logprobs} for wanted_by(rank).
+    """
+    by_key = {g.key: g for g in batch}
+    me = comm.rank
+    mine: dict[SampleId, Response] = {}
+    for sid in wanted_by(me):
+        if owner_rank(by_key[sid[0]]) == me:
+            mine[sid] = local[sid[0]][sid[1]]
+    if comm.world == 1:
+        return mine, 0
+    sends, recvs, handles = [], [], []
+    for peer in range(comm.world):
+        if peer == me:
+            continue
+        out = [sid for sid in wanted_by(peer) if owner_rank(by_key[sid[0]]) == me]
+        inc = [sid for sid in wanted_by(me) if owner_rank(by_key[sid[0]]) == peer]
+        if out:
+            responses = [local[k][j] for k, j in out]
+            tokens = torch.tensor([t for r in responses for t in r.token_ids], dtype=torch.int32)
+            logps = torch.tensor(
+                [x for r in responses for x in (r.logprobs or [float("nan")] * len(r.token_ids))], dtype=torch.float32
+            )
+            sends.append((peer, tokens.to(comm.device), logps.to(comm.device)))
+        if inc:
+            n = sum(by_key[k].lengths[j] for k, j in inc)
+            buf_t = torch.empty(n, dtype=torch.int32, device=comm.device)
+            buf_l = torch.empty(n, dtype=torch.float32, device=comm.device)
+            recvs.append((inc, buf_t, buf_l))
+            handles += [dist.irecv(buf_t, peer), dist.irecv(buf_l, peer)]
+    sent = 0
+    for peer, tokens, logps in sends:
+        handles += [dist.isend(tokens, peer), dist.isend(logps, peer)]
+        sent += tokens.numel() * 4 + logps.numel() * 4
+    for h in handles:
+        h.wait()
+    for inc, buf_t, buf_l in recvs:
+        tokens, logps, at = buf_t.cpu().tolist(), buf_l.cpu(), 0
+        for k, j in inc:
+            n = by_key[k].lengths[j]
+            lp = logps[at : at + n]
+            mine[(k, j)] = Response(
+                token_ids=tokens[at : at + n],
+                text="",  # the verifier read it on the engine's rank; training needs only the ids
+                logprobs=None if n and torch.isnan(lp).all() else lp.tolist(),
+                truncated=by_key[k].truncated[j],
+            )
+            at += n
+    return mine, sent

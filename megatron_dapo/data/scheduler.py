@@ -1,0 +1,685 @@
+"""Which prompt groups to generate, on which engine, and which to train on: the dynamic-sampling decisions.
+
+A deterministic state machine with no I/O, no engines and no torch.distributed: the loader
+(dynamic_sampling.py) feeds it what the engines report, and the paper-scale simulator
+(rollout/simulated.py) feeds it simulated engines, so both run exactly these rules. Every rank
+holds an identical scheduler and feeds it the same observations in the same order, so every
+rank takes the same decisions, and a resumed run takes the ones the uninterrupted run took.
+
+One rollout step:
+
+    resumed = s.begin_step()         # partial rollout: paused groups to continue (or drop when too stale)
+    while not s.step_done:
+        submit(s.plan())             # new groups: dataset prompt, engine, seed
+        s.observe(finished_groups)   # scored groups, as GroupMeta, in a deterministic order
+    stop = s.close_step()            # {key: keep?} for groups still generating: abort, or pause (keep)
+    result = s.settle(stopped)       # what the engines had of them; the batch, carry, stats
+
+Modes (sampler.mode):
+- fill (verl's DAPO recipe): generation rounds of gen_batch_size prompts, each generated to the
+  end, then filtered in submission order until train_batch_size informative groups are found.
+- dynamic_bs (AReaL): one round of train_batch_size prompts; train on whatever it accepted.
+- stream: prompts go out one group at a time whenever the expected number of informative groups
+  in flight falls short of what the batch still needs, to whichever engine has the fewest groups,
+  and groups are committed strictly in submission order: a group that finished early is never
+  preferred over one submitted before it that is still generating, so the trained groups are the
+  ones a round-based sampler would have trained (no bias toward short responses). When the batch
+  is full, every group behind its last one goes back to the head of the queue, still generating
+  (aborted) or finished: keeping the finished ones would keep the short ones.
+- stream with partial_rollout: engines are kept full, groups are accepted as they complete, and
+  groups still generating when the batch is full are paused and continue after the weight sync
+  (every token tagged with the policy version that sampled it). Every started group is eventually
+  accepted, rejected on its own outcome, or aborted by the staleness bound alone, so over a run
+  no response is kept or dropped for being short.
+
+Staleness: the policy version is the number of weight syncs so far (= rollout steps trained);
+a token sampled under version v and trained at version V is V - v stale. max_staleness bounds it
+for every trained token: surplus informative groups carried to the next step and paused groups
+that would exceed it are dropped and their prompts requeued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+SAMPLER_MODES = ("stream", "fill", "dynamic_bs")
+SHORTFALL_POLICIES = ("error", "train")
+
+INITIAL_INFORMATIVE_FRAC = 0.5
+"""The first step's guess of the informative fraction; later steps start from what earlier steps measured."""
+STREAM_CONFIDENCE_Z = 1.0
+"""stream keeps enough groups in flight that the batch fills with ~84% probability (one binomial sigma)
+without a further submission: fewer means more late refills (engine idle time), more means more aborts."""
+
+
+class DynamicSamplingError(RuntimeError):
+    """The loader cannot fill a batch: too few informative groups within the cap, or too few prompts."""
+
+
+@dataclass
+class GroupMeta:
+    """What every rank knows of a finished, scored group. Its tokens stay on the rank of the engine that made it."""
+
+    key: int
+    """Submission number: groups are numbered in the order they were first submitted, over the whole run."""
+    index: int
+    """The prompt's position in the dataset."""
+    engine: int
+    """The engine that generated it (its tokens live there)."""
+    version: int
+    """The policy version that sampled its first token."""
+    lengths: list[int]
+    """Response lengths in tokens, one per sample."""
+    acc: list[bool]
+    """Raw correctness per sample (the verifier's), what the informative test judges."""
+    scores: list[float]
+    """Verifier scores per sample."""
+    rewards: list[float]
+    """Shaped rewards (score + soft overlong punishment) per sample: advantages come from these."""
+    truncated: list[bool]
+    """Per sample: stopped at rollout.max_response_length."""
+    informative: bool
+    """Kept for training: 0 < #correct < G (or the user's sampler.filter, or always without dynamic sampling)."""
+    version_tokens: list[int]
+    """Tokens of the group sampled under version + i, i = 0, 1, ... (several only when paused and continued)."""
+    reward_timeouts: int = 0
+    reward_errors: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_correct(self) -> int:
+        return sum(self.acc)
+
+    def tokens_of_version(self, v: int) -> int:
+        i = v - self.version
+        return self.version_tokens[i] if 0 <= i < len(self.version_tokens) else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> GroupMeta:
+        return GroupMeta(**d)
+
+
+@dataclass
+class Submission:
+    """A group for an engine to generate: a new one, or a paused one to continue from its tokens so far."""
+
+    key: int
+    index: int
+    engine: int
+    seed: int
+    """Sample j is seeded seed + j: a function of the submission number only, so samples never depend on
+    how many engines there are or when the group went out."""
+    resume: bool = False
+
+
+@dataclass
+class Paused:
+    """A partial-rollout group stopped at a weight sync, to continue on its engine (which holds its tokens)."""
+
+    key: int
+    index: int
+    engine: int
+    seed: int
+    version: int
+    """The policy version of its oldest token."""
+    tokens: int
+    """Tokens generated so far."""
+
+
+@dataclass
+class Stopped:
+    """What an engine had of a group it stopped at the end of a step (gathered from the engines' ranks)."""
+
+    tokens: int
+    """Tokens generated so far, all samples together."""
+    tokens_now: int
+    """Of those, the ones sampled in this step (by the current version)."""
+    first_version: Optional[int]
+    """The version of its oldest token; None when it had none (never started: nothing is lost)."""
+
+
+@dataclass
+class StepResult:
+    """One step's outcome: the groups to train on, what to keep for later, and the step's statistics."""
+
+    batch: list[GroupMeta]
+    keep: set[int]
+    """Keys whose tokens the engines' ranks must keep: the batch, the carry and the paused groups."""
+    stats: dict[str, float]
+    shortfall: Optional[str] = None
+    """Why the batch is short, with on_shortfall=train (None when it is full)."""
+
+
+@dataclass
+class _Flight:
+    key: int
+    index: int
+    engine: int
+    seed: int
+    resumed: bool
+
+
+@dataclass
+class _Step:
+    """Bookkeeping of the step in progress (a checkpoint is only ever taken between steps)."""
+
+    version: int
+    batch: list[GroupMeta] = field(default_factory=list)
+    surplus: list[GroupMeta] = field(default_factory=list)
+    """Informative groups found after the batch was full, in acceptance order."""
+    waiting: dict[int, GroupMeta] = field(default_factory=dict)
+    """stream: finished groups behind an unfinished earlier one (committed in submission order)."""
+    order: list[int] = field(default_factory=list)
+    """Keys submitted this step, in submission order (stream commits along it)."""
+    committed: int = 0
+    in_step: set[int] = field(default_factory=set)
+    """Prompts already in this step: none is generated twice in one step."""
+    submitted: int = 0
+    rounds: int = 0
+    round_left: int = 0
+    exhausted: bool = False
+    stopping: dict[int, bool] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    max_in_flight: int = 0
+
+
+def _requeue_front(queue: list[int], indices: list[int]) -> list[int]:
+    return list(indices) + queue
+
+
+class SamplingScheduler:
+    """The decisions of the dynamic-sampling loader; see the module docstring.
+
+    num_prompts: dataset size. num_engines: rollout engines across the world.
+    The remaining arguments are the sampler config's fields (see megatron_dapo.config.SamplerConfig).
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        num_engines: int = 1,
+        *,
+        group_size: int = 16,
+        train_batch_size: int = 512,
+        gen_batch_size: int = 1536,
+        max_gen_batches: int = 10,
+        mode: str = "stream",
+        carry_surplus: bool = True,
+        partial_rollout: bool = False,
+        max_staleness: int = 1,
+        max_groups_in_flight: int = 1536,
+        on_shortfall: str = "error",
+        min_groups: int = 1,
+        dynamic_sampling: bool = True,
+        shuffle: bool = True,
+        seed: int = 42,
+    ) -> None:
+        if mode not in SAMPLER_MODES:
+            raise ValueError(f"sampler.mode={mode!r}: expected one of {SAMPLER_MODES}")
+        if on_shortfall not in SHORTFALL_POLICIES:
+            raise ValueError(f"sampler.on_shortfall={on_shortfall!r}: expected one of {SHORTFALL_POLICIES}")
+        if partial_rollout and mode != "stream":
+            raise ValueError(f"sampler.partial_rollout=true needs sampler.mode=stream, not {mode!r}")
+        if num_prompts < 1:
+            raise ValueError("the dataset is empty: the sampler has no prompt to draw")
+        if num_engines < 1:
+            raise ValueError(f"num_engines={num_engines}: expected at least 1")
+        self.num_prompts = num_prompts
+        self.num_engines = num_engines
+        self.group_size = group_size
+        self.train_batch_size = train_batch_size
+        self.gen_batch_size = gen_batch_size
+        self.max_gen_batches = max_gen_batches
+        self.mode = mode
+        self.carry_surplus = carry_surplus
+        self.partial_rollout = partial_rollout
+        self.max_staleness = max_staleness
+        self.max_groups_in_flight = max_groups_in_flight
+        self.on_shortfall = on_shortfall
+        self.min_groups = min_groups
+        self.shuffle = shuffle
+        self.seed = seed
+        # state kept across steps (state_dict)
+        self.version = 0  # weight syncs so far = steps returned
+        self.epoch = 0  # permutations appended to the queue so far
+        self.next_key = 0
+        self.queue: list[int] = []
+        self.carry: list[GroupMeta] = []
+        self.paused: list[Paused] = []
+        # without dynamic sampling every group is trained: nothing to estimate
+        self.informative_frac = INITIAL_INFORMATIVE_FRAC if dynamic_sampling else 1.0
+        # the step in progress
+        self.flight: dict[int, _Flight] = {}
+        self._step: Optional[_Step] = None
+
+    # ---------------------------------------------------------------- prompt order
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts).tolist()
+
+    def _draw(self, k: int) -> list[int]:
+        """Take up to k queued prompts not yet in this step; fewer only when every prompt is."""
+        st = self._step
+        drawn: list[int] = []
+        passed_over: list[int] = []
+        i = 0
+        while len(drawn) < k:
+            if i == len(self.queue):
+                if len(st.in_step) >= self.num_prompts:
+                    st.exhausted = True
+                    break
+                self.queue.extend(self._permutation(self.epoch))  # a new epoch, reshuffled
+                self.epoch += 1
+            idx = self.queue[i]
+            i += 1
+            if idx in st.in_step:
+                passed_over.append(idx)  # stays queued, in order, for a later step
+            else:
+                drawn.append(idx)
+                st.in_step.add(idx)
+        self.queue = passed_over + self.queue[i:]
+        return drawn
+
+    def group_seed(self, key: int) -> int:
+        """The seed of group `key` (sample j: + j)."""
+        return (self.seed * 1_000_003 + key * self.group_size) % 2**31
+
+    # ---------------------------------------------------------------- the step
+
+    def begin_step(self) -> list[Submission]:
+        """Start a rollout step; returns the paused groups to continue first (partial rollout)."""
+        if self._step is not None:
+            raise RuntimeError("begin_step() while a step is in progress: close_step() and settle() it first")
+        v = self.version
+        st = self._step = _Step(version=v, counts={k: 0.0 for k in _COUNTS})
+        fresh, stale = [], []
+        for g in self.carry:  # trained this step at version v
+            (fresh if v - g.version <= self.max_staleness else stale).append(g)
+        for g in stale:
+            st.counts["groups_stale"] += 1
+            st.counts["tokens_wasted_earlier"] += g.tokens
+        st.counts["carried_in"] = len(fresh)
+        st.batch, self.carry = fresh[: self.train_batch_size], fresh[self.train_batch_size :]
+        requeue = [g.index for g in stale]
+        resumed: list[Submission] = []
+        for p in self.paused:
+            if v - p.version > self.max_staleness:  # only when max_staleness was lowered since it was paused
+                requeue.append(p.index)
+                st.counts["groups_stale"] += 1
+                st.counts["tokens_wasted_earlier"] += p.tokens
+            else:
+                self.flight[p.key] = _Flight(p.key, p.index, p.engine, p.seed, resumed=True)
+                resumed.append(Submission(p.key, p.index, p.engine, p.seed, resume=True))
+        st.counts["resumed"] = len(resumed)
+        self.paused = []
+        self.queue = _requeue_front(self.queue, requeue)
+        st.in_step = (
+            {g.index for g in st.batch} | {g.index for g in self.carry} | {f.index for f in self.flight.values()}
+        )
+        st.order = [s.key for s in resumed]
+        self._note_in_flight()
+        return resumed
+
+    @property
+    def step_done(self) -> bool:
+        """The batch is full, or nothing more can be generated and nothing is generating."""
+        st = self._require_step()
+        if self.mode == "dynamic_bs":
+            return st.rounds == 1 and not self.flight
+        if len(st.batch) >= self.train_batch_size:
+            return True
+        return not self.flight and not self._can_submit()
+
+    def _can_submit(self) -> bool:
+        st = self._step
+        if st.exhausted:
+            return False
+        if self.mode == "fill":
+            return not (self.max_gen_batches and st.rounds >= self.max_gen_batches)
+        if self.mode == "dynamic_bs":
+            return st.rounds == 0
+        cap = self.max_gen_batches * self.gen_batch_size
+        return not (cap and st.submitted >= cap)
+
+    def plan(self) -> list[Submission]:
+        """The new groups to submit now (possibly none), each with its engine and seed."""
+        st = self._require_step()
+        if self.step_done or not self._can_submit():
+            return []
+        if self.mode in ("fill", "dynamic_bs"):
+            if self.flight:  # a round is generated to its end before it is filtered
+                return []
+            size = self.train_batch_size if self.mode == "dynamic_bs" else self.gen_batch_size
+            st.rounds += 1
+            out = self._submit(self._draw(size))
+            st.round_left = len(out)
+            return out
+        room = self.max_groups_in_flight - len(self.flight)
+        cap = self.max_gen_batches * self.gen_batch_size
+        if cap:
+            room = min(room, cap - st.submitted)
+        if not self.partial_rollout:  # on-policy: only what the batch is expected to need, to abort little
+            room = min(room, self._groups_wanted() - len(self.flight))
+        return self._submit(self._draw(room)) if room > 0 else []
+
+    def _groups_wanted(self) -> int:
+        """stream: groups to have in flight so the batch fills with ~84% probability without more."""
+        st = self._step
+        need = self.train_batch_size - len(st.batch) - sum(g.informative for g in st.waiting.values())
+        if need <= 0:
+            return 0
+        p = self._informative_estimate()
+        # smallest m with m p - z sqrt(m p (1 - p)) >= need: a quadratic in sqrt(m)
+        b = STREAM_CONFIDENCE_Z * math.sqrt(p * (1 - p))
+        root = (b + math.sqrt(b * b + 4 * p * need)) / (2 * p)
+        return math.ceil(root * root)
+
+    def _informative_estimate(self) -> float:
+        """The informative fraction: earlier steps' estimate, updated by this step's groups so far."""
+        c = self._step.counts
+        prior = max(8.0, self.train_batch_size / 4)  # how many groups' worth of weight the history has
+        p = (self.informative_frac * prior + c["informative"]) / (prior + c["groups"])
+        return min(1.0, max(p, 0.02))
+
+    def _submit(self, indices: list[int]) -> list[Submission]:
+        st = self._step
+        load = [0] * self.num_engines
+        for f in self.flight.values():
+            load[f.engine] += 1
+        out = []
+        for idx in indices:
+            engine = min(range(self.num_engines), key=lambda e: (load[e], e))  # the one with most room
+            load[engine] += 1
+            key = self.next_key
+            self.next_key += 1
+            sub = Submission(key, idx, engine, self.group_seed(key))
+            self.flight[key] = _Flight(key, idx, engine, sub.seed, resumed=False)
+            st.order.append(key)
+            out.append(sub)
+        st.submitted += len(out)
+        self._note_in_flight()
+        return out
+
+    def _note_in_flight(self) -> None:
+        self._step.max_in_flight = max(self._step.max_in_flight, len(self.flight))
+
+    def observe(self, groups: list[GroupMeta]) -> None:
+        """Finished, scored groups (in any order: they are taken by submission number)."""
+        st = self._require_step()
+        for g in sorted(groups, key=lambda g: g.key):
+            if self.flight.pop(g.key, None) is None:
+                raise ValueError(f"group {g.key} (prompt {g.index}) was observed but is not in flight")
+            self._count_finished(g)
+            if self.mode == "stream" and not self.partial_rollout:
+                st.waiting[g.key] = g
+            elif self.mode == "stream":
+                self._accept(g)  # partial rollout: in completion order
+            else:
+                st.waiting[g.key] = g
+                st.round_left -= 1
+        if self.mode == "stream" and not self.partial_rollout:
+            self._commit_in_order(stop_when_full=True)
+        elif self.mode != "stream" and st.round_left == 0 and st.waiting:  # the round is complete
+            self._commit_in_order(stop_when_full=False)
+
+    def _count_finished(self, g: GroupMeta) -> None:
+        c = self._step.counts
+        c["groups"] += 1
+        c["informative"] += g.informative
+        c["all_correct"] += g.num_correct == len(g.acc)
+        c["all_wrong"] += g.num_correct == 0
+        c["responses"] += len(g.acc)
+        c["correct"] += g.num_correct
+        c["score_sum"] += sum(g.scores)
+        c["reward_sum"] += sum(g.rewards)
+        c["truncated"] += sum(g.truncated)
+        c["response_tokens"] += g.tokens
+        c["length_max"] = max(c["length_max"], max(g.lengths, default=0))
+        c["reward_timeouts"] += g.reward_timeouts
+        c["reward_errors"] += g.reward_errors
+        c["tokens_generated"] += g.tokens_of_version(self._step.version)
+
+    def _commit_in_order(self, stop_when_full: bool) -> None:
+        """Take finished groups in submission order, up to the first one still generating."""
+        st = self._step
+        while st.committed < len(st.order) and st.order[st.committed] in st.waiting:
+            if stop_when_full and len(st.batch) >= self.train_batch_size:
+                return  # the rest goes back to the queue (close_step)
+            self._accept(st.waiting.pop(st.order[st.committed]))
+            st.committed += 1
+
+    def _accept(self, g: GroupMeta) -> None:
+        st = self._step
+        c = st.counts
+        if not g.informative:
+            c["tokens_uninformative"] += g.tokens_of_version(st.version)
+        elif len(st.batch) < self.train_batch_size:
+            st.batch.append(g)
+        else:
+            st.surplus.append(g)
+
+    def close_step(self) -> dict[int, bool]:
+        """End the step: {key: keep} for every group still generating; keep=True pauses it (partial rollout),
+        False aborts it (its prompt returns to the head of the queue)."""
+        st = self._require_step()
+        if not self.step_done:
+            raise RuntimeError("close_step() before the step is done (step_done is False)")
+        # stream (on-policy): everything behind the batch's last group goes back to the queue, finished or not.
+        # Carrying the finished ones would favour short responses (whether a group is done by now depends on its
+        # length: measured -5% mean trained length on a long-tailed script); the in-flight target keeps this small.
+        st.stopping = {key: self.partial_rollout for key in self.flight}
+        return dict(st.stopping)
+
+    def settle(self, stopped: dict[int, Stopped]) -> StepResult:
+        """What the engines had of the stopped groups -> the step's batch, the state for the next step, stats.
+
+        Raises DynamicSamplingError on a shortfall with on_shortfall=error (or fewer than min_groups);
+        what was found is kept as carry, so a resumed or reconfigured run can use it.
+        """
+        st = self._require_step()
+        if set(stopped) != set(st.stopping):
+            raise ValueError(
+                f"settle() needs every stopped group: expected {sorted(st.stopping)}, got {sorted(stopped)}"
+            )
+        c = st.counts
+        v = st.version
+        requeue: list[tuple[int, int]] = []  # (key, prompt): back to the head of the queue, in submission order
+        # stream: finished groups behind the batch's last one lose their place (see close_step)
+        for key, g in sorted(st.waiting.items()):
+            requeue.append((key, g.index))
+            c["tokens_wasted"] += g.tokens_of_version(v)
+        st.waiting.clear()
+        for key, keep in sorted(st.stopping.items()):
+            f, info = self.flight.pop(key), stopped[key]
+            c["tokens_generated"] += info.tokens_now
+            if info.first_version is None:  # never started: nothing generated, nothing lost
+                requeue.append((key, f.index))
+            elif keep and v + 1 - info.first_version <= self.max_staleness:
+                self.paused.append(Paused(key, f.index, f.engine, f.seed, info.first_version, info.tokens))
+                c["tokens_paused"] += info.tokens_now
+            else:
+                requeue.append((key, f.index))
+                c["tokens_wasted"] += info.tokens_now
+                c["tokens_wasted_earlier"] += info.tokens - info.tokens_now
+        shortfall = None
+        if len(st.batch) < self.train_batch_size and self.mode != "dynamic_bs":
+            shortfall = self._shortfall_reason()
+        # surplus informative groups: trained next step (version v + 1) when allowed, else dropped
+        for g in st.surplus:
+            if self.carry_surplus and v + 1 - g.version <= self.max_staleness:
+                self.carry.append(g)
+                c["tokens_carried"] += g.tokens_of_version(v)
+            else:
+                if self.carry_surplus:  # too stale to carry: the prompt is tried again
+                    requeue.append((g.key, g.index))
+                c["tokens_wasted"] += g.tokens_of_version(v)
+                c["tokens_wasted_earlier"] += g.tokens - g.tokens_of_version(v)
+        self.queue = _requeue_front(self.queue, [idx for _, idx in sorted(requeue)])
+        c["requeued"] = len(requeue)
+        if shortfall is not None and (self.on_shortfall == "error" or len(st.batch) < self.min_groups):
+            self.carry = st.batch + self.carry  # keep what was found (at the front: it is the oldest)
+            self.informative_frac = self._informative_estimate()
+            self._step = None
+            raise DynamicSamplingError(shortfall)
+        for g in st.batch:
+            c["tokens_trained"] += g.tokens_of_version(v)
+            c["tokens_trained_total"] += g.tokens
+        stats = self._stats(st, shortfall)
+        self.informative_frac = self._informative_estimate()
+        keep = {g.key for g in st.batch} | {g.key for g in self.carry} | {p.key for p in self.paused}
+        self.version += 1
+        self._step = None
+        return StepResult(batch=st.batch, keep=keep, stats=stats, shortfall=shortfall)
+
+    def _shortfall_reason(self) -> str:
+        st = self._step
+        c = st.counts
+        if st.exhausted:
+            when = f"after every one of the {self.num_prompts} prompts was tried in this step"
+        elif self.mode == "fill":
+            when = f"after {st.rounds} generation rounds (sampler.max_gen_batches={self.max_gen_batches})"
+        else:
+            when = (
+                f"after {st.submitted} groups were generated (sampler.max_gen_batches x sampler.gen_batch_size = "
+                f"{self.max_gen_batches * self.gen_batch_size})"
+            )
+        frac = c["informative"] / c["groups"] if c["groups"] else 0.0
+        return (
+            f"dynamic sampling: {when}, only {len(st.batch)} of sampler.train_batch_size={self.train_batch_size} "
+            f"informative groups were found ({int(c['carried_in'])} carried over; {int(c['informative'])} of "
+            f"{int(c['groups'])} groups generated this step were informative, fraction {frac:.3f}; "
+            f"{int(c['all_correct'])} all correct, {int(c['all_wrong'])} all wrong). Raise sampler.max_gen_batches "
+            f"or sampler.gen_batch_size, lower sampler.train_batch_size, set sampler.on_shortfall=train, or use a "
+            f"dataset whose difficulty suits the policy."
+        )
+
+    def _stats(self, st: _Step, shortfall: Optional[str]) -> dict[str, float]:
+        c = st.counts
+        stats = {
+            "sampler/gen_rounds": float(st.rounds),
+            "sampler/groups_submitted": float(st.submitted),
+            "sampler/groups_generated": c["groups"],
+            "sampler/carried_in": c["carried_in"],
+            "sampler/carried_out": float(len(self.carry)),
+            "sampler/paused": float(len(self.paused)),
+            "sampler/resumed": c["resumed"],
+            "sampler/requeued": c["requeued"],
+            "sampler/stale_dropped": c["groups_stale"],
+            "sampler/batch_groups": float(len(st.batch)),
+            "sampler/shortfall": float(shortfall is not None),
+            "sampler/epoch": float(self.epoch),
+            "sampler/in_flight_max": float(st.max_in_flight),
+            "sampler/informative_frac_estimate": self._informative_estimate(),
+            "tokens/generated": c["tokens_generated"],
+            "tokens/trained": c["tokens_trained"],
+            "tokens/trained_total": c["tokens_trained_total"],
+            "tokens/uninformative": c["tokens_uninformative"],
+            "tokens/wasted": c["tokens_wasted"],
+            "tokens/wasted_earlier": c["tokens_wasted_earlier"],
+            "tokens/carried": c["tokens_carried"],
+            "tokens/paused": c["tokens_paused"],
+        }
+        for staleness in range(self.max_staleness + 1):
+            stats[f"staleness/tokens_{staleness}"] = float(
+                sum(g.tokens_of_version(st.version - staleness) for g in st.batch)
+            )
+        if not c["groups"]:
+            return stats  # served from the carry: no fresh rollout, so no rates (a 0 would read as a collapse)
+        responses = c["responses"]
+        return stats | {
+            "sampler/informative": c["informative"],
+            "sampler/informative_frac": c["informative"] / c["groups"],
+            "sampler/all_correct": c["all_correct"],
+            "sampler/all_wrong": c["all_wrong"],
+            "reward/mean": c["reward_sum"] / responses,
+            "reward/score_mean": c["score_sum"] / responses,
+            "reward/acc": c["correct"] / responses,
+            "reward/timeouts": c["reward_timeouts"],
+            "reward/errors": c["reward_errors"],
+            "response/length_mean": c["response_tokens"] / responses,
+            "response/length_max": c["length_max"],
+            "response/truncated_frac": c["truncated"] / responses,
+        }
+
+    def _require_step(self) -> _Step:
+        if self._step is None:
+            raise RuntimeError("no rollout step in progress: call begin_step() first")
+        return self._step
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (plain containers); only between steps."""
+        if self._step is not None:
+            raise RuntimeError("state_dict() during a step: a checkpoint is taken between steps")
+        return {
+            "version": 2,
+            "num_prompts": self.num_prompts,
+            "seed": self.seed,
+            "policy_version": self.version,
+            "epoch": self.epoch,
+            "next_key": self.next_key,
+            "queue": list(self.queue),
+            "carry": [g.to_dict() for g in self.carry],
+            "paused": [asdict(p) for p in self.paused],
+            "informative_frac": self.informative_frac,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 2:
+            raise ValueError(f"sampler state: unknown version {state.get('version')!r}, expected 2")
+        if state["num_prompts"] != self.num_prompts:
+            raise ValueError(
+                f"sampler state was saved with a dataset of {state['num_prompts']} prompts, but this dataset has "
+                f"{self.num_prompts}: resuming would repeat or skip prompts"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(f"sampler state was saved with seed {state['seed']}, this run has {self.seed}")
+        self.version = int(state["policy_version"])
+        self.epoch = int(state["epoch"])
+        self.next_key = int(state["next_key"])
+        self.queue = [int(i) for i in state["queue"]]
+        self.carry = [GroupMeta.from_dict(g) for g in state["carry"]]
+        self.paused = [Paused(**p) for p in state["paused"]]
+        self.informative_frac = float(state["informative_frac"])
+
+
+_COUNTS = (
+    "groups",
+    "informative",
+    "all_correct",
+    "all_wrong",
+    "responses",
+    "correct",
+    "score_sum",
+    "reward_sum",
+    "truncated",
+    "response_tokens",
+    "length_max",
+    "reward_timeouts",
+    "reward_errors",
+    "carried_in",
+    "resumed",
+    "requeued",
+    "groups_stale",
+    "tokens_generated",
+    "tokens_trained",
+    "tokens_trained_total",
+    "tokens_uninformative",
+    "tokens_wasted",
+    "tokens_wasted_earlier",
+    "tokens_carried",
+    "tokens_paused",
+)

@@ -1,0 +1,55 @@
+"""Rollout data between ranks: summaries to every rank, each response only to the ranks that train it (gloo, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from exchange_worker import G, meta, response
+
+from megatron_dapo.data.exchange import Comm, meta_width, metas_to_rows, rows_to_metas
+
+HERE = Path(__file__).parent
+
+
+def test_summaries_round_trip_through_a_float64_row():
+    metas = [meta(k) for k in range(5)]
+    rows = metas_to_rows(metas, G, max_staleness=1)
+    assert rows.shape == (5, meta_width(G, 1)) and rows.dtype == torch.float64
+    assert rows_to_metas(rows, G) == metas
+    with pytest.raises(ValueError, match="spans 3 policy versions"):
+        bad = meta(0)
+        bad.version_tokens = [1, 1, 1]
+        metas_to_rows([bad], G, max_staleness=1)
+    assert Comm().all_gather_rows(rows) is rows  # one process: nothing moves
+
+
+def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*cmd, str(HERE / "exchange_worker.py"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    want_metas = [meta(k).to_dict() for k in range(8)]
+    for r, res in enumerate(ranks):
+        assert res["metas"] == want_metas  # every rank, every group, in key order
+        assert res["stopped"] == {
+            "10": {"tokens": 5, "tokens_now": 2, "first_version": 7},
+            "11": {"tokens": 6, "tokens_now": 2, "first_version": None},
+        }
+        wanted = {(k, j) for k in range(8) for j in range(G) if (k + j) % 2 == r}
+        assert {tuple(map(int, s.split(","))) for s in res["got"]} == wanted  # exactly what it trains
+        for sid, (tokens, logps, truncated) in res["got"].items():
+            k, j = map(int, sid.split(","))
+            ref = response(k, j)
+            assert tokens == ref.token_ids and logps == pytest.approx(ref.logprobs) and truncated == (j == 2)
+        # it sent what the other rank trains from its own groups: 4 bytes of id + 4 of logprob per token
+        sent = sum(len(response(k, j).token_ids) for k in range(8) for j in range(G) if k % 2 == r and (k + j) % 2 != r)
+        assert res["sent"] == 8 * sent > 0
