@@ -162,6 +162,10 @@ class SamplerConfig:
     """The most groups generating (or queued in the engines) at once, over all engines. stream submits
     only what the batch is expected to need (from the measured informative fraction); with
     partial_rollout it keeps this many in flight."""
+    stream_margin: float = 1.0
+    """stream: how many binomial standard deviations of informative groups to keep in flight beyond what the
+    batch is expected to need. Higher: fewer steps that must wait for a late refill (each costs a response's
+    generation time, minutes at the paper's lengths); lower: fewer groups behind the batch to throw away."""
     tick_steps: int = 8
     """Engine steps between the sampler's decisions: finished groups are scored while the next tick
     generates, and every rank decides on what was gathered at the tick (never on wall-clock time)."""
@@ -400,6 +404,7 @@ class Config:
         _check(s.max_staleness >= 0, "sampler.max_staleness", s.max_staleness, "an integer >= 0")
         _check(s.max_groups_in_flight >= 1, "sampler.max_groups_in_flight", s.max_groups_in_flight, "an integer >= 1")
         _check(s.tick_steps >= 1, "sampler.tick_steps", s.tick_steps, "an integer >= 1")
+        _check(s.stream_margin >= 0, "sampler.stream_margin", s.stream_margin, "a value >= 0")
         _check(
             s.on_shortfall in SHORTFALL_POLICIES, "sampler.on_shortfall", s.on_shortfall, f"one of {SHORTFALL_POLICIES}"
         )

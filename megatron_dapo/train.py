@@ -23,15 +23,20 @@ log = logging.getLogger("megatron_dapo.train")
 
 
 class MetricSinks:
-    """metrics.jsonl, TensorBoard and W&B on rank 0; nothing elsewhere."""
+    """metrics.jsonl, TensorBoard and W&B on rank 0; nothing elsewhere.
 
-    def __init__(self, cfg: Config, active: bool) -> None:
+    resumed_step: the step a resumed run restarts after; metrics.jsonl lines of later steps (written
+    by the interrupted run after its last checkpoint) are dropped, so every step appears once.
+    """
+
+    def __init__(self, cfg: Config, active: bool, resumed_step: int = 0) -> None:
         self.active = active
         self.run_dir = Path(cfg.trainer.run_dir)
         self.tb = self.wandb = None
         if not active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate(resumed_step)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -41,6 +46,22 @@ class MetricSinks:
             import wandb  # optional: only when configured
 
             self.wandb = wandb.init(project=cfg.trainer.wandb_project, dir=str(self.run_dir), config=_plain(cfg))
+
+    def _truncate(self, resumed_step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [x for x in lines if x.strip() and json.loads(x)["step"] <= resumed_step]
+        if len(kept) != len(lines):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)  # atomic: a crash here leaves the old file or the new one, never half of one
+            log.info(
+                "metrics.jsonl: dropped %d lines of steps after the resumed step %d",
+                len(lines) - len(kept),
+                resumed_step,
+            )
 
     def write(self, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -91,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = Trainer(cfg)
     rank0 = dist.get_rank() == 0
-    sinks = MetricSinks(cfg, rank0)
+    sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
     try:
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()

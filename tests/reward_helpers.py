@@ -16,6 +16,11 @@ def exact(response: str, ground_truth: str) -> bool:
     return response.strip() == ground_truth.strip()
 
 
+def one_in_four(response: str, ground_truth: str) -> bool:
+    """Right for a quarter of all texts, by their hash: informative groups from a model that knows nothing."""
+    return hashlib.sha1(response.encode()).digest()[0] % 4 == 0
+
+
 def half_credit(response: str, ground_truth: str) -> float:
     """A float score: 0.5 whatever the response."""
     return 0.5

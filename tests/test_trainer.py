@@ -90,12 +90,12 @@ def test_layouts_the_rollout_or_the_data_parallel_split_cannot_use_are_refused()
         check_distributed(dynamic, world_size=256, dp=32, rollout_tp=8)
 
 
-def _train(overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    """python -m megatron_dapo.train, under torchrun when nproc > 1; asserts it succeeded."""
+def _train(overrides: list[str], nproc: int = 1, **env_vars: str) -> subprocess.CompletedProcess:
+    """python -m megatron_dapo.train, under torchrun when nproc > 1, with env_vars set; asserts it succeeded."""
     launch = [sys.executable, "-m", "megatron_dapo.train"]
     if nproc > 1:  # --standalone: a local rendezvous on a free port
         launch[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.run([*launch, *overrides], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -272,3 +272,116 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(tmp_path)
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
     assert got == want  # step for step, the same as the run that was never interrupted
     assert (cut / "FINISHED").read_text().strip() == "4"
+
+
+def _ends_early(model_dir: Path) -> Path:
+    """The tiny random model with its end-of-turn logit scaled up 2.5x: responses then end anywhere in 1..24
+    tokens (measured) instead of nearly always at the limit, so groups finish at different steps."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    weights["lm_head.weight"][eos] *= 2.5
+    save_file(weights, path, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["stream", "partial_rollout"])
+def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, partial):
+    """Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
+    so steps abort and requeue groups, and with partial rollout pause them across the weight sync; a checkpoint
+    every step holds that state. SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly."""
+    import signal
+    import time
+
+    model = _ends_early(build_tiny_qwen2(tmp_path / "model", seed=0))
+    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    common = [
+        f"model.hf_path={model}",
+        "model.dtype=fp32",
+        f"data.train_files=[{data}]",
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "reward.verifier=reward_helpers:one_in_four",
+        "sampler.train_batch_size=4",
+        "sampler.tick_steps=2",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-3",
+        "reward.num_workers=1",
+        "trainer.total_steps=4",
+        "trainer.save_every=1",
+        "trainer.tensorboard=false",
+    ]
+    if partial:
+        common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.max_groups_in_flight=10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
+
+    full = tmp_path / "full"
+    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = _metrics(full)
+    want = [_comparable(m) for m in lines]
+    assert [m["step"] for m in want] == [1.0, 2.0, 3.0, 4.0]
+    key = "sampler/paused" if partial else "sampler/requeued"
+    assert sum(m[key] for m in lines) > 0  # the checkpoints hold groups in flight / requeued prompts
+    if partial:
+        assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (cut / "checkpoints" / "step_00000002" / "COMPLETE").is_file():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no handler, no save: whatever step 3 had done is lost
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step 2" in resumed.stderr
+    got = [_comparable(m) for m in _metrics(cut)]
+    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]  # each step once: lines past the checkpoint dropped
+    assert got == want
+
+
+def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
+    """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
+    schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
+    generate reach it as tensors."""
+    model = _ends_early(build_tiny_qwen2(tmp_path / "model", seed=0))
+    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    overrides = [
+        f"model.hf_path={model}",
+        "model.dtype=fp32",
+        f"data.train_files=[{data}]",
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "reward.verifier=reward_helpers:one_in_four",
+        "sampler.train_batch_size=4",
+        "sampler.tick_steps=2",
+        "sampler.partial_rollout=true",
+        "algorithm.tis_cap=2.0",
+        "sampler.max_groups_in_flight=10",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=0",
+        "reward.num_workers=1",
+        "trainer.total_steps=3",
+        "trainer.save_every=0",
+        "trainer.tensorboard=false",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
+    _train(overrides, nproc=2, PYTHONPATH=str(Path(__file__).parent))  # the verifier module, for every worker
+    lines = _metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
+    assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
+    assert sum(m["sampler/bytes_moved"] for m in lines) > 0
+    assert all(m["sampler/engine_busy_frac"] > 0 for m in lines)

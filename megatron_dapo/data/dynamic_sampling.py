@@ -120,6 +120,7 @@ class DynamicSamplingLoader:
         partial_rollout: bool = False,
         max_staleness: int = 1,
         max_groups_in_flight: int = 1536,
+        stream_margin: float = 1.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
         tick_steps: int = 8,
@@ -156,6 +157,7 @@ class DynamicSamplingLoader:
             partial_rollout=partial_rollout,
             max_staleness=max_staleness,
             max_groups_in_flight=max_groups_in_flight,
+            stream_margin=stream_margin,
             on_shortfall=on_shortfall,
             min_groups=min_groups,
             dynamic_sampling=dynamic_sampling or filter_fn is not None,
@@ -210,6 +212,7 @@ class DynamicSamplingLoader:
             partial_rollout=s.partial_rollout,
             max_staleness=s.max_staleness,
             max_groups_in_flight=s.max_groups_in_flight,
+            stream_margin=s.stream_margin,
             on_shortfall=s.on_shortfall,
             min_groups=s.min_groups,
             tick_steps=s.tick_steps,
@@ -268,10 +271,24 @@ class DynamicSamplingLoader:
         self._forget(keep=result.keep)
         for g in result.batch:
             self.finished.pop(g.key, None)  # trained now: the caller holds them (local)
+        self._check_agreement()
         stats = dict(result.stats)
         stats.update(self._timing_stats(t_full, ticks, t_scoring, engine_t0))
         stats["sampler/bytes_gathered"] = float(self.comm.sum([self.comm.bytes_gathered - gathered0])[0])
         return StepBatch(groups=result.batch, local=local, stats=stats)
+
+    def _check_agreement(self) -> None:
+        """Every rank must have taken the same decisions: compare the schedulers' fingerprints (two floats)."""
+        if self.comm.world == 1:
+            return
+        d = float(self.scheduler.digest())
+        low, high = self.comm.max([-d, d])
+        if -low != high:
+            raise RuntimeError(
+                f"dynamic sampling: the ranks' schedulers disagree after step {self.version} (rank {self.comm.rank}: "
+                f"state fingerprint {int(d)}); every rank must be given the same dataset, seed, config and "
+                "observations"
+            )
 
     def _has_stats(self) -> bool:
         return all(hasattr(eng, "stats") for eng in self.engines.values())

@@ -40,6 +40,7 @@ that would exceed it are dropped and their prompts requeued.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -51,9 +52,6 @@ SHORTFALL_POLICIES = ("error", "train")
 
 INITIAL_INFORMATIVE_FRAC = 0.5
 """The first step's guess of the informative fraction; later steps start from what earlier steps measured."""
-STREAM_CONFIDENCE_Z = 1.0
-"""stream keeps enough groups in flight that the batch fills with ~84% probability (one binomial sigma)
-without a further submission: fewer means more late refills (engine idle time), more means more aborts."""
 
 
 class DynamicSamplingError(RuntimeError):
@@ -218,6 +216,7 @@ class SamplingScheduler:
         partial_rollout: bool = False,
         max_staleness: int = 1,
         max_groups_in_flight: int = 1536,
+        stream_margin: float = 1.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
         dynamic_sampling: bool = True,
@@ -245,6 +244,7 @@ class SamplingScheduler:
         self.partial_rollout = partial_rollout
         self.max_staleness = max_staleness
         self.max_groups_in_flight = max_groups_in_flight
+        self.stream_margin = stream_margin
         self.on_shortfall = on_shortfall
         self.min_groups = min_groups
         self.shuffle = shuffle
@@ -375,14 +375,15 @@ class SamplingScheduler:
         return self._submit(self._draw(room)) if room > 0 else []
 
     def _groups_wanted(self) -> int:
-        """stream: groups to have in flight so the batch fills with ~84% probability without more."""
+        """stream: groups to have in flight so the batch is expected to fill with stream_margin binomial standard
+        deviations to spare (1.0: ~84% of steps need no late refill)."""
         st = self._step
         need = self.train_batch_size - len(st.batch) - sum(g.informative for g in st.waiting.values())
         if need <= 0:
             return 0
         p = self._informative_estimate()
         # smallest m with m p - z sqrt(m p (1 - p)) >= need: a quadratic in sqrt(m)
-        b = STREAM_CONFIDENCE_Z * math.sqrt(p * (1 - p))
+        b = self.stream_margin * math.sqrt(p * (1 - p))
         root = (b + math.sqrt(b * b + 4 * p * need)) / (2 * p)
         return math.ceil(root * root)
 
@@ -636,6 +637,13 @@ class SamplingScheduler:
             "paused": [asdict(p) for p in self.paused],
             "informative_frac": self.informative_frac,
         }
+
+    def digest(self) -> int:
+        """A 52-bit fingerprint of the state (exact in a float64): ranks that took the same decisions share it."""
+        import hashlib
+
+        text = json.dumps(self.state_dict(), sort_keys=True)
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 12
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 2:
