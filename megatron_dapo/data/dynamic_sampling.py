@@ -8,8 +8,8 @@ Each rollout step, in ticks of `sampler.tick_steps` engine steps:
    sample finishes is shaped (soft overlong punishment), filtered (0 < #correct < G on raw
    correctness, or the user's sampler.filter) and handed to the reward pool right away, so
    scoring overlaps generation;
-3. the groups scored since the previous tick are summarised (GroupMeta) and gathered on every
-   rank, in one order, and the scheduler observes them.
+3. the groups that finished in the previous tick (scored meanwhile) are summarised (GroupMeta)
+   and gathered on every rank, in one order, and the scheduler observes them.
 
 When the batch is full the scheduler stops what is still generating: aborted (prompts back to
 the head of the queue), or with partial rollout paused, their tokens kept on their engine's
@@ -179,7 +179,8 @@ class DynamicSamplingLoader:
         # this rank's share of the state: responses of the groups it owns that outlive a step
         self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
         self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
-        self._pending: list[tuple[int, int, Group, int]] = []  # (ticket, key, group, engine) being scored
+        self._pending: list[tuple[int, int, Group, int, int]] = []  # (ticket, key, group, engine, tick): scoring
+        self._tick = 0  # ticks of the step in progress
         self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
 
     @classmethod
@@ -243,7 +244,7 @@ class DynamicSamplingLoader:
         engine_t0 = {e: dict(eng.stats) for e, eng in self.engines.items()} if self._has_stats() else {}
         gathered0 = self.comm.bytes_gathered
         self._submit(sched.begin_step())
-        ticks = 0
+        self._tick = 0
         t_scoring = 0.0
         while not sched.step_done:
             self._submit(sched.plan())
@@ -256,7 +257,7 @@ class DynamicSamplingLoader:
             scored = self._collect_scored()
             t_scoring += time.perf_counter() - t1
             sched.observe(gather_metas(self.comm, scored, self.group_size, self.max_staleness))
-            ticks += 1
+            self._tick += 1
         t_full = time.perf_counter() - t0
         stop = sched.close_step()
         stopped = gather_stopped(self.comm, self._stop(stop))
@@ -273,7 +274,7 @@ class DynamicSamplingLoader:
             self.finished.pop(g.key, None)  # trained now: the caller holds them (local)
         self._check_agreement()
         stats = dict(result.stats)
-        stats.update(self._timing_stats(t_full, ticks, t_scoring, engine_t0))
+        stats.update(self._timing_stats(t_full, self._tick, t_scoring, engine_t0))
         stats["sampler/bytes_gathered"] = float(self.comm.sum([self.comm.bytes_gathered - gathered0])[0])
         return StepBatch(groups=result.batch, local=local, stats=stats)
 
@@ -328,13 +329,16 @@ class DynamicSamplingLoader:
         ticket = self.scorer.submit(
             [r.text for r in responses], [prompt.ground_truth] * len(responses), [prompt.data_source] * len(responses)
         )
-        self._pending.append((ticket, key, group, engine))
+        self._pending.append((ticket, key, group, engine, self._tick))
 
     def _collect_scored(self) -> list[GroupMeta]:
-        """The groups handed to the pool before this tick's steps ended: wait for their scores, summarise them."""
-        pending, self._pending = self._pending, []
+        """The groups that finished in an earlier tick: wait for their scores (the pool had a whole tick of
+        generation to work on them), summarise them. Those of this tick wait for the next: what is observed when
+        depends on engine steps only, never on how fast the pool was."""
+        ready = [p for p in self._pending if p[4] < self._tick]
+        self._pending = [p for p in self._pending if p[4] == self._tick]
         return [
-            self._summarise(key, group, engine, self.scorer.result(ticket)) for ticket, key, group, engine in pending
+            self._summarise(key, group, engine, self.scorer.result(ticket)) for ticket, key, group, engine, _ in ready
         ]
 
     def _summarise(self, key: int, group: Group, engine: int, scored: Any) -> GroupMeta:
@@ -380,7 +384,7 @@ class DynamicSamplingLoader:
         """Abort (keep=False) or pause (keep=True) the groups still generating; report what this rank had of them."""
         out: dict[int, Stopped] = {}
         # finished in the last tick but not observed yet: the scheduler counts them as still generating
-        still_scoring = {key: group for _, key, group, _ in self._pending}
+        still_scoring = {key: group for _, key, group, _, _ in self._pending}
         for ticket, *_ in self._pending:
             self.scorer.result(ticket)  # drained, so the pool holds nothing of a finished step
         self._pending = []
