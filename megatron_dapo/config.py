@@ -187,9 +187,11 @@ class RewardConfig:
     """Rule-based verifiers, run in a process pool."""
 
     verifier: str = "auto"
-    """'dapo' (last 'Answer:' line), 'math_verify' (LaTeX/boxed, GSM8K '#### N' golds),
-    'auto' (dapo when the prompt's data_source names dapo, else math_verify), or a user
-    function 'package.module:function' taking (response, ground_truth)."""
+    """'hybrid' (the last 'Answer:' line, or the last \\boxed{}; exact rational comparison, then
+    math-verify on that answer alone; rules in megatron_dapo/reward/hybrid.py), 'dapo' (last
+    'Answer:' line, string comparison after normalisation), 'math_verify' (LaTeX/boxed, GSM8K
+    '#### N' golds), 'auto' (hybrid when the prompt's data_source names dapo, else math_verify),
+    or a user function 'package.module:function' taking (response, ground_truth)."""
     num_workers: int = 2
     """Scoring processes."""
     timeout_s: float = 5.0

@@ -23,6 +23,7 @@ from megatron_dapo.reward import (  # noqa: E402
     RewardPool,
     VerifyResult,
     dapo_verify,
+    hybrid_verify,
     math_verify_verify,
     select_verifier,
 )
@@ -162,7 +163,7 @@ def test_math_verify_latex_golds_and_no_timeout():
 
 
 def test_select_verifier_builtin_names():
-    assert select_verifier("math_dapo", "auto") is dapo_verify
+    assert select_verifier("math_dapo", "auto").func is hybrid_verify
     assert select_verifier("anything", "dapo") is dapo_verify
     # auto on a non-DAPO source is math-verify: a boxed answer counts, an 'Answer:' line alone need not
     gsm8k = select_verifier("openai/gsm8k", "auto")

@@ -1,5 +1,6 @@
 """Rule-based rewards: answer verifiers and the process pool that runs them under time and memory limits."""
 
+from megatron_dapo.reward.hybrid import extract_final_answer, hybrid_verify
 from megatron_dapo.reward.pool import RewardBatch, RewardPool
 from megatron_dapo.reward.verifiers import (
     VERIFIER_NAMES,
@@ -19,7 +20,9 @@ __all__ = [
     "VerifyResult",
     "dapo_verify",
     "extract_dapo_answer",
+    "extract_final_answer",
     "gsm8k_answer",
+    "hybrid_verify",
     "math_verify_verify",
     "normalize_answer",
     "select_verifier",

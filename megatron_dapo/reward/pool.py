@@ -114,7 +114,7 @@ def _prepare_worker(configured: str, memory_mb: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we bound time here
-    if configured in ("auto", "math_verify"):
+    if configured in ("auto", "math_verify", "hybrid"):
         select_verifier("", "math_verify", math_verify_timeout_s=None)("\\boxed{1}", "1")  # import + first-call cost
     elif configured != "dapo":
         select_verifier("", configured)  # import the user's module now: a failure is a start failure
@@ -294,7 +294,7 @@ class RewardPool:
     """A pool of scoring processes; see the module docstring.
 
     num_workers: scoring processes; timeout_s: wall-clock limit per response;
-    worker_memory_mb: RLIMIT_AS of each worker; verifier: reward.verifier ('auto', 'dapo',
+    worker_memory_mb: RLIMIT_AS of each worker; verifier: reward.verifier ('auto', 'hybrid', 'dapo',
     'math_verify' or 'package.module:function'), checked here (ValueError when invalid).
     Workers start in the background at construction.
     """

@@ -5,6 +5,8 @@
   normalised gold as strings, or as numbers when both are plain numbers.
 - ``math_verify_verify``: Hugging Face math-verify 0.9.0 (LaTeX / boxed answers), with
   GSM8K-style ``#### N`` golds and responses.
+- ``hybrid_verify`` (hybrid.py): the DAPO rule's extraction, exact rational comparison, then
+  math-verify on the extracted answer alone; the default for DAPO data.
 - ``select_verifier``: the config's ``reward.verifier`` -> one of those, or a user function.
 
 Every function here is linear in the response length: the regexes are written so they
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
-VERIFIER_NAMES = ("auto", "dapo", "math_verify")
+VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
 
 Verifier = Callable[[str, str], "VerifyResult"]
 
@@ -120,9 +122,9 @@ def _unwrap_last_box(s: str) -> str:
     return s[head.end() : close] if close is not None else s[head.end() :]
 
 
-def _unwrap_commands(s: str) -> str:
-    """Replace every \\text{X}-like command by X (nesting allowed), in one pass over s."""
-    heads = {m.start(): m.end() for m in _TEXT_HEAD_RE.finditer(s)}
+def _unwrap_commands(s: str, heads_re: re.Pattern[str] = _TEXT_HEAD_RE) -> str:
+    """Replace every \\text{X}-like command (or what heads_re finds) by X (nesting allowed), in one pass over s."""
+    heads = {m.start(): m.end() for m in heads_re.finditer(s)}
     if not heads:
         return s
     out: list[str] = []
@@ -154,20 +156,21 @@ def _strip_outer_braces(s: str) -> str:
     return s[i : j + 1]
 
 
-def normalize_answer(answer: str) -> str:
+def normalize_answer(answer: str, *, split_equations: bool = True) -> str:
     """Canonical string form of a final answer, for exact comparison.
 
     Unwraps \\boxed{}/\\text{}, drops $, \\left/\\right, degree signs, percent signs, LaTeX
-    spacing, simple unit words and all whitespace, keeps what follows the last '=', maps
-    \\dfrac/\\tfrac to \\frac, expands \\frac12 and \\sqrt2, removes thousands separators
-    ('1,000' -> '1000') and a trailing period. Linear time in len(answer).
+    spacing, simple unit words and all whitespace, keeps what follows the last '=' (unless
+    split_equations is False), maps \\dfrac/\\tfrac to \\frac, expands \\frac12 and \\sqrt2, removes
+    thousands separators ('1,000' -> '1000') and a trailing period. Linear time in len(answer).
     """
     s = answer.strip()
     if len(s) < _MAX_NUMBER_CHARS and _NUMBER_RE.fullmatch(s):
         return s  # the common case, a plain number: nothing to normalise
     s = s.strip("*").strip()  # '**Answer:** 5' leaves markdown bold around the answer
     s = _unwrap_last_box(s)
-    s = s.split("=")[-1]
+    if split_equations:
+        s = s.split("=")[-1]
     for before, after in _SIMPLE_SUBSTITUTIONS:
         s = s.replace(before, after)
     s = _LEFT_RIGHT_RE.sub("", s)
@@ -282,24 +285,27 @@ def _first_string(parsed: list[Any]) -> str | None:
 def math_verify_verify(response: str, ground_truth: str, timeout_s: float | None = 5.0) -> VerifyResult:
     """Verify with math-verify 0.9.0: +1 when the response's answer is mathematically equal to the gold.
 
-    Gold: LaTeX, a bare expression ('0.5', '\\frac{1}{2}') or GSM8K ('... #### 1,234' -> '1234').
+    Gold: LaTeX, a bare expression ('0.5', '\\frac{1}{2}') or GSM8K ('... #### 1,234' -> '1234');
+    an empty (or whitespace) gold scores every response wrong.
     Prediction: the number after the response's last '#### ' when present, else what
     math-verify extracts (the last \\boxed{}, else the last LaTeX / plain expression).
     timeout_s: math-verify's own SIGALRM limit per parse/compare (rounded up to whole seconds;
     only works in a process's main thread); None disables it, the caller then bounds time.
+    Raises ValueError when math-verify cannot parse a non-empty gold.
     """
     from math_verify import parse, verify  # sympy takes ~1 s to import: only scoring processes pay it
 
     secs = _alarm_seconds(timeout_s)
+    gsm8k_pred = _gsm8k_prediction(response)
+    pred = parse(gsm8k_pred if gsm8k_pred is not None else response, parsing_timeout=secs)
     gold_text = gsm8k_answer(ground_truth) if "####" in ground_truth else ground_truth.strip()
+    if not gold_text:
+        return _result(False, _first_string(pred))
     if "\\boxed" not in gold_text and "$" not in gold_text:
         gold_text = "\\boxed{" + gold_text + "}"  # math-verify's LaTeX extractor needs a delimiter
     gold = parse(gold_text, parsing_timeout=secs)
     if not gold:
         raise ValueError(f"math-verify cannot parse the ground truth {ground_truth[:200]!r}")
-
-    gsm8k_pred = _gsm8k_prediction(response)
-    pred = parse(gsm8k_pred if gsm8k_pred is not None else response, parsing_timeout=secs)
     if not pred:
         return _result(False, None)
     correct = verify(gold, pred, timeout_seconds=secs)
@@ -361,17 +367,22 @@ def _load_user_verifier(configured: str) -> Verifier:
 def select_verifier(data_source: str, configured: str, *, math_verify_timeout_s: float | None = 5.0) -> Verifier:
     """The verifier for one row: (response, ground_truth) -> VerifyResult.
 
-    configured: reward.verifier, i.e. 'dapo', 'math_verify', 'auto' (dapo when 'dapo' is in
-    data_source, e.g. DAPO-Math-17K's 'math_dapo', else math_verify) or 'package.module:function'.
-    math_verify_timeout_s: passed to math_verify_verify (None when the caller bounds time itself).
+    configured: reward.verifier, i.e. 'dapo', 'math_verify', 'hybrid', 'auto' (hybrid when 'dapo'
+    is in data_source, e.g. DAPO-Math-17K's 'math_dapo', else math_verify) or 'package.module:function'.
+    math_verify_timeout_s: passed to math_verify_verify and hybrid_verify (None when the caller
+    bounds time itself).
     Raises ValueError naming reward.verifier for an unknown name or an unimportable function.
     """
     if configured == "auto":
-        configured = "dapo" if "dapo" in (data_source or "").lower() else "math_verify"
+        configured = "hybrid" if "dapo" in (data_source or "").lower() else "math_verify"
     if configured == "dapo":
         return dapo_verify
     if configured == "math_verify":
         return functools.partial(math_verify_verify, timeout_s=math_verify_timeout_s)
+    if configured == "hybrid":
+        from megatron_dapo.reward.hybrid import hybrid_verify  # hybrid.py builds on this module
+
+        return functools.partial(hybrid_verify, timeout_s=math_verify_timeout_s)
     if ":" in configured:
         return _load_user_verifier(configured)
     raise _bad_verifier(configured, "unknown verifier name")
