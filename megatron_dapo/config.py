@@ -158,17 +158,19 @@ class SamplerConfig:
     max_staleness: int = 1
     """The most policy versions any trained token may lag the policy being trained: carried-over and
     paused groups that would exceed it are dropped and their prompts requeued. 0 = strictly on-policy."""
-    max_groups_in_flight: int = 1536
-    """The most groups generating (or queued in the engines) at once, over all engines. stream submits
-    only what the batch is expected to need (from the measured informative fraction); with
-    partial_rollout it keeps this many in flight."""
-    stream_margin: float = 1.0
-    """stream: how many binomial standard deviations of informative groups to keep in flight beyond what the
-    batch is expected to need. Higher: fewer steps that must wait for a late refill (each costs a response's
-    generation time, minutes at the paper's lengths); lower: fewer groups behind the batch to throw away."""
-    tick_steps: int = 8
-    """Engine steps between the sampler's decisions: finished groups are scored while the next tick
-    generates, and every rank decides on what was gathered at the tick (never on wall-clock time)."""
+    max_groups_in_flight: int = 512
+    """stream: the most groups generating (or queued in the engines) at once, over all engines. Set it to
+    about what the engines hold at once, engines x vLLM's max_num_seqs / group_size (32 x 256 / 16 at the
+    paper's scale): more only queues groups inside the engines, where KV-cache pressure preempts them.
+    stream submits at most what the batch is expected to need; partial_rollout keeps this many in flight."""
+    stream_margin: float = 0.0
+    """stream: binomial standard deviations of informative groups to keep in flight beyond what the batch is
+    expected to need. More: fewer late refills; less: fewer groups behind the batch to throw away. 0 was
+    best at the paper's scale in the simulator (tools/bench_sampler.py): as fast as 1, with less waste."""
+    tick_steps: int = 32
+    """stream: engine steps between the sampler's decisions. Finished groups are scored while the next tick
+    generates; every rank decides on what was gathered at the tick, never on wall-clock time, so ranks wait
+    for each other there (fill and dynamic_bs gather once per round instead)."""
     on_shortfall: str = "error"
     """When the cap (or the dataset) runs out before the batch is full: 'error' stops with a message
     saying what was found (the default: a DAPO step always has train_batch_size groups, so a short

