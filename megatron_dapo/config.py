@@ -158,11 +158,12 @@ class SamplerConfig:
     max_staleness: int = 1
     """The most policy versions any trained token may lag the policy being trained: carried-over and
     paused groups that would exceed it are dropped and their prompts requeued. 0 = strictly on-policy."""
-    max_groups_in_flight: int = 512
-    """stream: the most groups generating (or queued in the engines) at once, over all engines. Set it to
-    about what the engines hold at once, engines x vLLM's max_num_seqs / group_size (32 x 256 / 16 at the
-    paper's scale): more only queues groups inside the engines, where KV-cache pressure preempts them.
-    stream submits at most what the batch is expected to need; partial_rollout keeps this many in flight."""
+    engine_sequences: int = 128
+    """stream: samples each engine keeps generating or queued (running and waiting, counted per sample, so
+    an engine finishing a group's last straggler has room for new ones). New groups go to the engine with the
+    most room. Set it to about what an engine's KV cache holds at once: 128 for Qwen2.5-32B on 4 x H100 at
+    the paper's lengths (~110 sequences fit at ~6k tokens; tools/bench_sampler.py); more only queues samples
+    inside vLLM, where KV pressure preempts them. partial_rollout keeps every engine this full."""
     stream_margin: float = 0.0
     """stream: binomial standard deviations of informative groups to keep in flight beyond what the batch is
     expected to need. More: fewer late refills; less: fewer groups behind the batch to throw away. 0 was
@@ -406,7 +407,12 @@ class Config:
         _check(s.max_gen_batches >= 0, "sampler.max_gen_batches", s.max_gen_batches, "an integer >= 0 (0 = no cap)")
         _check(s.mode in SAMPLER_MODES, "sampler.mode", s.mode, f"one of {SAMPLER_MODES}")
         _check(s.max_staleness >= 0, "sampler.max_staleness", s.max_staleness, "an integer >= 0")
-        _check(s.max_groups_in_flight >= 1, "sampler.max_groups_in_flight", s.max_groups_in_flight, "an integer >= 1")
+        _check(
+            s.engine_sequences >= a.group_size,
+            "sampler.engine_sequences",
+            s.engine_sequences,
+            f"at least algorithm.group_size={a.group_size} (an engine takes whole groups)",
+        )
         _check(s.tick_steps >= 1, "sampler.tick_steps", s.tick_steps, "an integer >= 1")
         _check(s.stream_margin >= 0, "sampler.stream_margin", s.stream_margin, "a value >= 0")
         _check(

@@ -128,6 +128,9 @@ class ScriptedEngine:
     def in_flight(self) -> int:
         return len(self.groups)
 
+    def unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
     def _response(self, s: _Sample) -> Response:
         return Response(
             token_ids=[7] * s.tokens,

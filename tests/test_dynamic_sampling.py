@@ -370,7 +370,7 @@ def test_aborted_groups_return_to_the_head_of_the_queue(pool):
 
 
 def test_stream_needs_fewer_groups_in_flight_as_the_batch_fills(pool):
-    sched = SamplingScheduler(1000, 1, group_size=G, train_batch_size=64, mode="stream", max_groups_in_flight=10_000)
+    sched = SamplingScheduler(1000, 1, group_size=G, train_batch_size=64, mode="stream", engine_sequences=10_000)
     sched.begin_step()
     first = sched.plan()
     # at the first step's guess p = 0.5: enough for 64 with one binomial sigma to spare, not the whole cap
@@ -402,7 +402,7 @@ def _trained_lengths(pool, mode: str, seed: int, steps: int = 40, scheduler=None
     """Mean response length of each group trained in `steps` steps (engines run every group at once)."""
     kw = {"mode": mode, "max_staleness": max_staleness, "seed": seed}
     if mode == "partial":
-        kw |= {"mode": "stream", "partial_rollout": True, "max_groups_in_flight": 24}
+        kw |= {"mode": "stream", "partial_rollout": True, "engine_sequences": 12 * G}
     ds = loader(make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=6, gen_batch_size=12, **kw)
     if scheduler is not None:
         ds.scheduler = scheduler(3000, 1, group_size=G, train_batch_size=6, gen_batch_size=12, **kw)
@@ -444,7 +444,7 @@ def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
         partial_rollout=True,
         max_staleness=1,
         train_batch_size=4,
-        max_groups_in_flight=6,
+        engine_sequences=6 * G,
         max_response_length=120,
     )
     dropped = 0
@@ -470,7 +470,7 @@ def test_paused_groups_continue_with_their_tokens_and_versions(pool):
         partial_rollout=True,
         max_staleness=2,
         train_batch_size=3,
-        max_groups_in_flight=4,
+        engine_sequences=4 * G,
         max_response_length=100,
         shuffle=False,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def tiny_engine() -> EngineModel:
 
 
 def tiny_rows() -> dict[str, RowConfig]:
-    rows = paper_rows(ENGINES, SEQS, 16, gen_batch_size=3 * BATCH)
+    rows = paper_rows(gen_batch_size=3 * BATCH, engine_sequences=SEQS)
     return {r.name: r for r in rows}
 
 
@@ -133,7 +134,8 @@ def test_one_fill_round_lasts_at_least_its_longest_response():
 
 
 def test_stream_with_partial_rollout_wastes_almost_nothing():
-    res = run(tiny_rows()["stream+partial S=2"], tiny_workload(), steps=4)
+    # 16-group steps are short next to the longest responses: a bound of 4 versions lets them finish
+    res = run(replace(tiny_rows()["stream+partial S=2"], max_staleness=4), tiny_workload(), steps=4)
     generated = sum(s.generated for s in res.measured)
     assert sum(s.wasted + s.wasted_earlier for s in res.measured) <= 0.01 * generated
     assert sum(s.paused for s in res.measured) > 0 and sum(s.resumed for s in res.measured) > 0

@@ -318,7 +318,7 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, 
         "trainer.tensorboard=false",
     ]
     if partial:
-        common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.max_groups_in_flight=10"]
+        common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.engine_sequences=40"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
 
@@ -370,7 +370,7 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
         "sampler.tick_steps=2",
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
-        "sampler.max_groups_in_flight=10",
+        "sampler.engine_sequences=40",
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
         "reward.num_workers=1",

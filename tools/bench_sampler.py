@@ -5,7 +5,7 @@
     python tools/bench_sampler.py --part sim --quick                # 4 engines, 32-group batches (seconds)
     python tools/bench_sampler.py --part sim --json sim.json --steps 12 --warmup 2 --seed 42
     python tools/bench_sampler.py --part sim --regimes late --p 0.5 --tick-steps 8     # sensitivity checks
-    python tools/bench_sampler.py --part sim --regimes late --p 0.5 --max-groups-in-flight 1536
+    python tools/bench_sampler.py --part sim --regimes late --p 0.5 --engine-sequences 256
     python tools/bench_sampler.py --part sim --regimes late --p 0.25 0.5 --stream-margin 0
 
 --part sim: the paper-scale discrete-event model of megatron_dapo/rollout/simulator.py (its docstring
@@ -188,9 +188,7 @@ def run_sim(args: argparse.Namespace) -> dict:
         engines, batch, steps, warmup = 4, 32, 2, 1
     else:
         engines, batch, steps, warmup = args.engines, 512, args.steps, args.warmup
-    rows = paper_rows(engines, engine.max_num_seqs, GROUP, gen_batch_size=3 * batch)
-    if args.max_groups_in_flight:  # a sensitivity run: the stream rows' in-flight limit
-        rows = [r if r.mode == "fill" else replace(r, max_groups_in_flight=args.max_groups_in_flight) for r in rows]
+    rows = paper_rows(gen_batch_size=3 * batch, engine_sequences=args.engine_sequences)
     if args.stream_margin is not None:  # a sensitivity run: sampler.stream_margin (on-policy stream rows only)
         rows = [replace(r, stream_margin=args.stream_margin) if r.mode == "stream" else r for r in rows]
     regimes = {r: REGIMES[r] for r in args.regimes}
@@ -198,7 +196,7 @@ def run_sim(args: argparse.Namespace) -> dict:
         f"\n{engines} engines, {batch} x {GROUP} per step, {warmup} warm-up + {steps} measured steps, "
         f"tick_steps {args.tick_steps}, seed {args.seed}; rows: "
         + "; ".join(
-            f"{r.name} (gen_batch_size {r.gen_batch_size}, max_groups_in_flight {r.max_groups_in_flight})" for r in rows
+            f"{r.name} (gen_batch_size {r.gen_batch_size}, engine_sequences {r.engine_sequences})" for r in rows
         ),
         flush=True,
     )
@@ -246,7 +244,7 @@ def run_sim(args: argparse.Namespace) -> dict:
             "quick": args.quick,
             "regimes": regimes,
             "p": list(args.p),
-            "max_groups_in_flight": args.max_groups_in_flight,
+            "engine_sequences": args.engine_sequences,
             "stream_margin": args.stream_margin,
         },
         "calibration": info,
@@ -262,7 +260,7 @@ REAL_ROWS = {
     "stream": ["sampler.mode=stream"],
     "stream+partial": ["sampler.mode=stream", "sampler.partial_rollout=true", "algorithm.tis_cap=2.0"],
 }
-"""The real part's rows: overrides of examples/tiny_cpu.yaml (its stream settings: 48 groups in flight, ticks of 4)."""
+"""The real part's rows: overrides of examples/tiny_cpu.yaml (its stream settings: 384 samples per engine, ticks of 4)."""
 
 
 def _real_row(name: str, overrides: list[str], model: Path, data: dict[str, Path], out: Path, steps: int) -> dict:
@@ -356,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--p", type=float, nargs="+", default=list(PS), help="informative fractions to simulate")
     ap.add_argument("--regimes", nargs="+", choices=sorted(REGIMES), default=list(REGIMES), help="length regimes")
     ap.add_argument(
-        "--max-groups-in-flight", type=int, help="override the stream rows' in-flight limit (a sensitivity run)"
+        "--engine-sequences", type=int, default=128, help="the stream rows' sampler.engine_sequences (default 128)"
     )
     ap.add_argument(
         "--stream-margin", type=float, help="override sampler.stream_margin (default 0.0; a sensitivity run)"

@@ -120,7 +120,7 @@ class DynamicSamplingLoader:
         carry_surplus: bool = True,
         partial_rollout: bool = False,
         max_staleness: int = 1,
-        max_groups_in_flight: int = 512,
+        engine_sequences: int = 128,
         stream_margin: float = 0.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
@@ -157,7 +157,7 @@ class DynamicSamplingLoader:
             carry_surplus=carry_surplus,
             partial_rollout=partial_rollout,
             max_staleness=max_staleness,
-            max_groups_in_flight=max_groups_in_flight,
+            engine_sequences=engine_sequences,
             stream_margin=stream_margin,
             on_shortfall=on_shortfall,
             min_groups=min_groups,
@@ -213,7 +213,7 @@ class DynamicSamplingLoader:
             carry_surplus=s.carry_surplus,
             partial_rollout=s.partial_rollout,
             max_staleness=s.max_staleness,
-            max_groups_in_flight=s.max_groups_in_flight,
+            engine_sequences=s.engine_sequences,
             stream_margin=s.stream_margin,
             on_shortfall=s.on_shortfall,
             min_groups=s.min_groups,
@@ -253,7 +253,7 @@ class DynamicSamplingLoader:
             t1 = time.perf_counter()
             scored = self._collect_scored()
             t_scoring += time.perf_counter() - t1
-            sched.observe(gather_metas(self.comm, scored, self.group_size, self.max_staleness))
+            sched.observe(gather_metas(self.comm, scored, self.group_size, self.max_staleness), self._engine_load())
             self._tick += 1
         t_full = time.perf_counter() - t0
         stop = sched.close_step()
@@ -300,6 +300,13 @@ class DynamicSamplingLoader:
                     self._finished(e, key, responses)
             self.scorer.poll()
             steps += 1
+
+    def _engine_load(self) -> list[int]:
+        """Every engine's unfinished samples, as its owning rank counts them (the same numbers on every rank)."""
+        load = [0.0] * self.scheduler.num_engines
+        for e in self.owned:
+            load[e] = float(self.engines[e].unfinished())
+        return [int(x) for x in self.comm.sum(load)]
 
     def _has_stats(self) -> bool:
         return all("seconds" in getattr(eng, "stats", {}) for eng in self.engines.values())

@@ -215,7 +215,7 @@ class SamplingScheduler:
         carry_surplus: bool = True,
         partial_rollout: bool = False,
         max_staleness: int = 1,
-        max_groups_in_flight: int = 512,
+        engine_sequences: int = 128,
         stream_margin: float = 0.0,
         on_shortfall: str = "error",
         min_groups: int = 1,
@@ -233,6 +233,11 @@ class SamplingScheduler:
             raise ValueError("the dataset is empty: the sampler has no prompt to draw")
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines}: expected at least 1")
+        if engine_sequences < group_size:
+            raise ValueError(
+                f"sampler.engine_sequences={engine_sequences}: expected at least algorithm.group_size={group_size} "
+                "(an engine takes whole groups)"
+            )
         self.num_prompts = num_prompts
         self.num_engines = num_engines
         self.group_size = group_size
@@ -243,7 +248,7 @@ class SamplingScheduler:
         self.carry_surplus = carry_surplus
         self.partial_rollout = partial_rollout
         self.max_staleness = max_staleness
-        self.max_groups_in_flight = max_groups_in_flight
+        self.engine_sequences = engine_sequences
         self.stream_margin = stream_margin
         self.on_shortfall = on_shortfall
         self.min_groups = min_groups
@@ -261,6 +266,8 @@ class SamplingScheduler:
         # the step in progress
         self.flight: dict[int, _Flight] = {}
         self._step: Optional[_Step] = None
+        self._load = [0] * num_engines
+        """Unfinished samples per engine: as the engines last reported (observe), plus what went out since."""
 
     # ---------------------------------------------------------------- prompt order
 
@@ -323,6 +330,9 @@ class SamplingScheduler:
                 self.flight[p.key] = _Flight(p.key, p.index, p.engine, p.seed, resumed=True)
                 resumed.append(Submission(p.key, p.index, p.engine, p.seed, resume=True))
         st.counts["resumed"] = len(resumed)
+        self._load = [0] * self.num_engines
+        for sub in resumed:
+            self._load[sub.engine] += self.group_size
         self.paused = []
         self.queue = _requeue_front(self.queue, requeue)
         st.in_step = (
@@ -366,7 +376,8 @@ class SamplingScheduler:
             out = self._submit(self._draw(size))
             st.round_left = len(out)
             return out
-        room = self.max_groups_in_flight - len(self.flight)
+        # whole groups into the engines' free sample slots (engine_sequences each)
+        room = sum(max(0, (self.engine_sequences - load) // self.group_size) for load in self._load)
         cap = self.max_gen_batches * self.gen_batch_size
         if cap:
             room = min(room, cap - st.submitted)
@@ -400,14 +411,12 @@ class SamplingScheduler:
         return min(1.0, max(p, 0.02))
 
     def _submit(self, indices: list[int]) -> list[Submission]:
+        """Each prompt to the engine with the fewest unfinished samples (the most room), lowest id first on ties."""
         st = self._step
-        load = [0] * self.num_engines
-        for f in self.flight.values():
-            load[f.engine] += 1
         out = []
         for idx in indices:
-            engine = min(range(self.num_engines), key=lambda e: (load[e], e))  # the one with most room
-            load[engine] += 1
+            engine = min(range(self.num_engines), key=lambda e: (self._load[e], e))
+            self._load[engine] += self.group_size
             key = self.next_key
             self.next_key += 1
             sub = Submission(key, idx, engine, self.group_seed(key))
@@ -421,12 +430,22 @@ class SamplingScheduler:
     def _note_in_flight(self) -> None:
         self._step.max_in_flight = max(self._step.max_in_flight, len(self.flight))
 
-    def observe(self, groups: list[GroupMeta]) -> None:
-        """Finished, scored groups (in any order: they are taken by submission number)."""
+    def observe(self, groups: list[GroupMeta], engine_load: Optional[list[int]] = None) -> None:
+        """Finished, scored groups (in any order: they are taken by submission number).
+
+        engine_load: each engine's unfinished samples now (running or queued), as the engines report them; without
+        it a group counts whole until it is observed (an engine holding stragglers then looks fuller than it is).
+        """
         st = self._require_step()
+        if engine_load is not None:
+            if len(engine_load) != self.num_engines:
+                raise ValueError(f"engine_load has {len(engine_load)} entries for {self.num_engines} engines")
+            self._load = [int(x) for x in engine_load]
         for g in sorted(groups, key=lambda g: g.key):
             if self.flight.pop(g.key, None) is None:
                 raise ValueError(f"group {g.key} (prompt {g.index}) was observed but is not in flight")
+            if engine_load is None:
+                self._load[g.engine] -= self.group_size
             self._count_finished(g)
             if self.mode == "stream" and not self.partial_rollout:
                 st.waiting[g.key] = g

@@ -102,14 +102,14 @@ slowest-engine times), from begin_step (re-prefilling resumed groups included) t
 Between steps a weight sync of `sync_s` seconds happens with the engines asleep (colocated): nothing
 generates, so it is reported apart and is the same for every mode. Rows use max_gen_batches = 10 and
 gen_batch_size = 1536 (verl's recipe: fill's round size; for stream only the generation cap).
-max_groups_in_flight (stream, partial rollout, oracle) = engines x max_num_seqs / 16 = 512 groups: what
-the engines would hold at once if every sample ran. In the late run the KV cache binds first (~110 of 256
-slots run per engine, at ~6k tokens of context each, for fill's deep queues and partial rollout alike);
-the config default of 1536 was checked too and is slower for every stream row (more preemption and
-re-prefill; benchmarks/RESULTS.md), which is why the config default is now 512. stream_margin = 0 and
-tick_steps = 32 (~0.8 s of generation), the config defaults, both chosen from this simulator's first
-runs: margin 0 wasted 4.5% of tokens at p = 0.25 and 0.5 against 6.1-6.6% at margin 1, in the same
-generation time; a tick of 8 moved the stream rows by under 1%.
+engine_sequences (stream, partial rollout, oracle) = 128 samples per engine, the config default: about
+what the KV cache holds at the late run's lengths (~110 sequences of ~6k tokens per engine). The engines
+report their unfinished samples every tick and new groups go where there is room; counting whole groups
+instead (an engine finishing one group's straggler then looks full) was 10-40% slower here, and a budget
+of 320 samples floods the queues (thousands of preemptions a step). stream_margin = 0 and tick_steps =
+32 (~0.8 s of generation) are the config defaults, both chosen from this simulator's first runs: margin
+0 wasted 4.5% of tokens at p = 0.25 and 0.5 against 6.1-6.6% at margin 1, in the same generation time;
+ticks of 8 to 512 steps moved the stream rows by under 1%.
 """
 
 from __future__ import annotations
@@ -680,6 +680,11 @@ class EnginePool:
                 finished.append(key)
         return TickReport(float(engine_s.max()), engine_s, prefill_s, finished, len(run), preempted)
 
+    def unfinished(self) -> list[int]:
+        """Per engine: samples running or queued (what a vLLM engine reports as its load)."""
+        live = np.flatnonzero((self.state == _RUNNING) | (self.state == _WAITING))
+        return np.bincount(self.engine[live], minlength=self.n).tolist()
+
     def collect(self, keys: list[int]) -> list[GroupMeta]:
         """The finished groups' summaries (as the loader gathers them a tick after they finish); forget them."""
         return [self._finish(self.groups[key]) for key in keys]
@@ -751,23 +756,23 @@ class RowConfig:
     partial_rollout: bool = False
     max_staleness: int = 1
     gen_batch_size: int = 1536
-    max_groups_in_flight: int = 1536
+    engine_sequences: int = 128
     stream_margin: float = 0.0
     oracle: bool = False
 
 
-def paper_rows(num_engines: int, max_num_seqs: int, group_size: int, gen_batch_size: int = 1536) -> list[RowConfig]:
-    """The table's rows; stream rows keep in flight what the engines hold at once (module docstring)."""
-    hold = num_engines * max_num_seqs // group_size
+def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[RowConfig]:
+    """The table's rows; stream rows keep about what an engine's KV cache holds in flight per engine (docstring)."""
+    seqs = engine_sequences
     return [
         RowConfig("fill drop", "fill", carry_surplus=False, gen_batch_size=gen_batch_size),
         RowConfig("fill carry", "fill", carry_surplus=True, gen_batch_size=gen_batch_size),
-        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, max_groups_in_flight=hold),
+        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs),
         RowConfig("stream+partial S=1", "stream", partial_rollout=True, max_staleness=1,
-                  gen_batch_size=gen_batch_size, max_groups_in_flight=hold),
+                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
         RowConfig("stream+partial S=2", "stream", partial_rollout=True, max_staleness=2,
-                  gen_batch_size=gen_batch_size, max_groups_in_flight=hold),
-        RowConfig("oracle", "stream", gen_batch_size=gen_batch_size, max_groups_in_flight=hold, oracle=True),
+                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
+        RowConfig("oracle", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs, oracle=True),
     ]  # fmt: skip
 
 
@@ -879,7 +884,7 @@ def simulate(
         carry_surplus=row.carry_surplus,
         partial_rollout=row.partial_rollout,
         max_staleness=row.max_staleness,
-        max_groups_in_flight=row.max_groups_in_flight,
+        engine_sequences=row.engine_sequences,
         stream_margin=row.stream_margin,
         seed=seed,
     )
@@ -914,7 +919,7 @@ def simulate(
             run_s += t.running * t.time_s
             ticks += 1
             preempted += t.preempted
-            sched.observe(pool.collect(pending))
+            sched.observe(pool.collect(pending), pool.unfinished())
             pending = t.finished
         stopped = pool.stop(sched.close_step())
         result = sched.settle(stopped)
