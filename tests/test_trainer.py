@@ -384,4 +384,5 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
     assert sum(m["sampler/bytes_moved"] for m in lines) > 0
-    assert all(m["sampler/engine_busy_frac"] > 0 for m in lines)
+    busy = [m["timing/engine_busy_frac"] for m in lines]
+    assert all(0 <= b <= 1 for b in busy) and max(busy) > 0  # a step served from the carry generates nothing

@@ -449,7 +449,7 @@ class DynamicSamplingLoader:
         out = {"sampler/ticks": float(ticks), "timing/rollout": t_full, "timing/reward_wait": t_scoring}
         if engine_t0 and t_full > 0:
             engines = self.scheduler.num_engines
-            out["sampler/engine_busy_frac"] = busy / (engines * t_full)
+            out["timing/engine_busy_frac"] = busy / (engines * t_full)
             out["timing/engine_idle"] = t_full - busy / engines  # per engine: waiting on scores, ticks, peers
         return out
 
