@@ -119,6 +119,21 @@ def test_group_advantages_edge_cases():
         group_advantages(torch.ones(8))
 
 
+@pytest.mark.parametrize("group_size", [2, 5, 7, 16])
+def test_group_advantages_are_zero_for_equal_rewards_that_float32_cannot_hold(group_size):
+    """Equal shaped rewards (a score plus an overlong penalty like -1/3) give exactly 0, never rounding / eps."""
+    g = torch.Generator().manual_seed(group_size)
+    values = torch.rand(64, 1, generator=g, dtype=torch.float64) * 2 - 1 - torch.tensor(1 / 3, dtype=torch.float64)
+    rewards = values.expand(64, group_size).clone()
+    got = group_advantages(rewards)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.zeros(64, group_size))
+    # One response apart by 1e-9 is a real (tiny) signal: advantages match the float64 formula.
+    rewards[:, 0] += 1e-9
+    got = group_advantages(rewards)
+    for i in range(0, 64, 9):
+        assert got[i].tolist() == pytest.approx(ref_advantages(rewards[i].tolist()), rel=1e-5, abs=1e-6)
+
+
 # ------------------------------------------------------------------ overlong
 
 

@@ -9,7 +9,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + eps) within each group, std unbiased (torch's default).
 
     rewards: [N, G] (any float dtype) shaped rewards of N groups of G responses.
-    Returns [N, G] float32; the trainer broadcasts A_i to every token of response i.
+    Returns [N, G] float32, computed in float64; the trainer broadcasts A_i to every token of response i.
     """
     if rewards.dim() != 2:
         raise ValueError(
@@ -17,9 +17,11 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         )
     if rewards.shape[1] < 2:
         raise ValueError(f"group_advantages: group_size must be >= 2 for a standard deviation, got {rewards.shape[1]}")
-    r = rewards.float()
+    r = rewards.double()
     if r.shape[0] == 0:
-        return r
+        return r.float()
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True)  # unbiased (G - 1), as the paper's reference code
-    return (r - mean) / (std + eps)
+    # Equal rewards carry no signal: the rounding of their mean must not become an advantage of std / eps.
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, 0.0, (r - mean) / (std + eps)).float()
