@@ -63,8 +63,8 @@ SMOLLM2_OVERRIDES = [
 def write_rows(
     path: Path, items: list[tuple[str, int]], question: str = TINY_QUESTION, source: str = TINY_SOURCE
 ) -> Path:
-    """DAPO-Math-17K schema; reward.verifier=auto picks the 'Answer:' verifier when source names dapo,
-    math-verify otherwise."""
+    """DAPO-Math-17K schema; reward.verifier=auto picks the hybrid verifier (the 'Answer:' line first) when
+    source names dapo, math-verify otherwise."""
     from megatron_dapo.data.generator import write_jsonl
 
     rows = [

@@ -4,7 +4,9 @@ Runs trainer.total_steps rollout steps, printing one progress line per step and 
 metric to run_dir/metrics.jsonl, TensorBoard and (when trainer.wandb_project is set) Weights &
 Biases. Checkpoints every trainer.save_every steps and at the end. SIGTERM or SIGUSR1 (Slurm's
 warning before a time limit or preemption) finish the current step, save a checkpoint and exit 0;
-the next run resumes from it. Reaching total_steps writes run_dir/FINISHED (the step), so a
+the next run resumes from it; a signal during start-up, or a second one, exits at once (status 1). A
+user's mistake (config, data, model, checkpoints) is one `error:` line and status 1 (--debug: the
+traceback). Reaching total_steps writes run_dir/FINISHED (the step), so a
 batch script can tell "stopped to be requeued" from "done".
 """
 
@@ -13,10 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.cli import quiet_libraries, run_cli
 from megatron_dapo.config import Config, load_config, to_yaml
 
 log = logging.getLogger("megatron_dapo.train")
@@ -89,31 +94,45 @@ def _plain(cfg: Config) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="YAML config file (defaults: the paper's values)")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
+class StopSignals:
+    """SIGTERM/SIGUSR1: during a step, finish it, save and exit 0; at start-up or a second time, leave now.
 
-    stop = {"signal": None}
+    Leaving raises SystemExit in the main thread, so every `finally` closes the reward workers, the engine
+    and the process groups; the reward pool also kills its workers at interpreter exit.
+    """
 
-    def request_stop(signum, frame):  # finish the step in flight, then save and leave
-        stop["signal"] = signal.Signals(signum).name
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGUSR1, request_stop)
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.running = False
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not self.running or self.name is not None:
+            raise SystemExit(f"{name}: stopping now ({'again' if self.name else 'during start-up'}), nothing saved")
+        self.name = name
+
+
+def train(config: str | None, overrides: list[str]) -> None:
+    cfg = load_config(config, overrides)
+    stop = StopSignals()
+    if os.environ.get("RANK", "0") == "0":
+        log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)
 
     import torch
     import torch.distributed as dist
 
     from megatron_dapo.trainer import Trainer, progress_line
 
-    trainer = Trainer(cfg)
-    rank0 = dist.get_rank() == 0
-    sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
+    trainer = Trainer(cfg)  # closes what it started if it raises
+    sinks = None
     try:
+        rank0 = dist.get_rank() == 0
+        sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
+        stop.running = True
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
             e = cfg.eval.every
@@ -124,21 +143,34 @@ def main(argv: list[str] | None = None) -> None:
             sinks.write(metrics)
             every = cfg.trainer.save_every
             # stop together: a signal that reached only some ranks must not leave the others waiting
-            flag = torch.tensor([1.0 if stop["signal"] else 0.0], device=trainer.layout.device)
+            flag = torch.tensor([1.0 if stop.name else 0.0], device=trainer.layout.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
+                stop.running = False  # saving: a second signal leaves at once
                 path = trainer.save()
                 if rank0:
-                    print(f"{stop['signal'] or 'stop'}: saved {path} at step {trainer.step}; exiting", flush=True)
+                    print(f"{stop.name or 'stop'}: saved {path} at step {trainer.step}; exiting", flush=True)
                 return
             if (every and trainer.step % every == 0) or trainer.step == cfg.trainer.total_steps:
                 trainer.save()
         if rank0:  # tells a requeueing batch script the run is done
             (Path(cfg.trainer.run_dir) / "FINISHED").write_text(f"{trainer.step}\n")
     finally:
-        sinks.close()
+        stop.running = False
+        if sinks is not None:
+            sinks.close()
         trainer.close()
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="YAML config file (defaults: the paper's values)")
+    ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")
+    args = ap.parse_args(argv)
+    quiet_libraries(args.debug)
+    return run_cli(lambda: train(args.config, args.overrides), args.debug)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -118,14 +118,18 @@ class ShardedScorer:
             metrics={k: sum(p.metrics.get(k, 0.0) for p in parts) for k in self.COUNTS},
         )
 
-    def close(self) -> None:
-        self.pool.close()
-
 
 class Trainer:
     """Builds every component from the config and runs rollout steps."""
 
     def __init__(self, cfg: Config) -> None:
+        try:
+            self._build(cfg)
+        except BaseException:  # a bad checkpoint or a signal at start-up: stop what already started, then raise
+            self.close()
+            raise
+
+    def _build(self, cfg: Config) -> None:
         from transformers import AutoTokenizer
 
         from megatron_dapo.convert.checkpoint_io import LazyMegatronWeights, SafetensorsReader
@@ -184,7 +188,8 @@ class Trainer:
                 saved = state["trainer"]
                 self.gen_rounds, self.nan_in_a_row = saved["gen_rounds"], saved["nan_in_a_row"]
                 self.loader.load_state_dict(saved["loader"])
-                log.info("resumed from step %d", self.step)
+                if self.layout.rank == 0:
+                    log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
         self.bridge.sync(self.engine)  # the engine started from dummy weights
 
     # ---------------------------------------------------------------- rollout
@@ -365,9 +370,15 @@ class Trainer:
         return self.checkpoints.save(self.policy, self.step, state)
 
     def close(self) -> None:
-        """The last call: the engine's shutdown takes torch.distributed's world with it."""
-        self.scorer.close()
-        self.engine.close()
+        """The last call: the engine's shutdown takes torch.distributed's world with it. Safe on a half-built trainer."""
+        from megatron_dapo.model.parallel import destroy_parallel
+
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        elif dist.is_initialized():
+            destroy_parallel()
 
 
 def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:

@@ -12,6 +12,7 @@ tool through its command line in a subprocess, keeping Megatron out of pytest's 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -185,15 +186,26 @@ def test_a_training_checkpoint_goes_to_the_converter_with_its_hf_files(model_dir
 def test_bad_inputs_fail_fast_naming_the_path(model_dir, problems, work, capsys):
     empty = work / "empty.jsonl"
     empty.write_text("\n")
+    truncated = work / "truncated"
+    shutil.copytree(model_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     cases = [
         (["--model", str(work / "nope"), "--data", str(problems[0])], f"--model {work / 'nope'}: no such directory"),
         (["--model", str(work), "--data", str(problems[0])], f"--model {work}: not a Hugging Face directory"),
         (["--model", str(model_dir), "--data", str(work / "none.jsonl")], f"{work / 'none.jsonl'}: dataset file does"),
         (["--model", str(model_dir), "--data", str(empty)], f"no prompts left in {empty}"),
         (["--model", str(model_dir), "--data", str(problems[0]), "--k", "0"], "eval.k=0: expected an integer >= 1"),
+        (["--model", str(truncated), "--data", str(problems[0])], f"{weights}: cannot read safetensors file"),
+        (
+            ["--model", str(model_dir), "--data", str(problems[0]), "--max-tokens", str(positions)],
+            f"tokens exceed the model's {positions} positions (max_position_embeddings in {model_dir / 'config.json'})",
+        ),
     ]
     for argv, message in cases:
         assert eval_tool.main(argv) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and message in err, (argv, err)
+        err = "\n".join(x for x in capsys.readouterr().err.splitlines() if " INFO " not in x)  # progress lines
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert "pass --max-tokens" in err  # the last case says how long a response can be
     assert run_tool("eval", "--help").returncode == 0

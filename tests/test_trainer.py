@@ -386,3 +386,92 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
     assert sum(m["sampler/bytes_moved"] for m in lines) > 0
     busy = [m["timing/engine_busy_frac"] for m in lines]
     assert all(0 <= b <= 1 for b in busy) and max(busy) > 0  # a step served from the carry generates nothing
+
+
+def _session_survivors(sid: int) -> list[str]:
+    """Command lines of the processes still in session sid (a run started with start_new_session=True)."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(p.info["pid"]) == sid:
+                left.append(" ".join(p.info["cmdline"] or [])[:200])
+        except (ProcessLookupError, PermissionError):
+            continue
+    return left
+
+
+def _ends_with_nothing_left(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """proc's (stdout, stderr) once it exits within timeout; every process it started is gone within 10 s."""
+    import time
+
+    out, err = proc.communicate(timeout=timeout)
+    deadline = time.time() + 10
+    while _session_survivors(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _session_survivors(proc.pid), _session_survivors(proc.pid)
+    return out, err
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_exits_at_once_with_one_line(two_steps, tmp_path):
+    """The reward pool and the engine are up when the checkpoints fail to load: all of it must go, promptly."""
+    overrides, run, _ = two_steps
+    bad = tmp_path / "bad"
+    shutil.copytree(run / "checkpoints", bad / "checkpoints")
+    damaged = [f for f in (bad / "checkpoints").rglob("*") if f.is_file() and f.name not in ("COMPLETE", "latest")]
+    for f in damaged:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])  # cut short, as by a full disk
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *overrides, f"trainer.run_dir={bad}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    _, err = _ends_with_nothing_left(proc, timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: no usable checkpoint: "), err[-3000:]
+    assert "step_00000002" in errors[0] and "step_00000001" in errors[0]  # every candidate, named
+    assert "Traceback" not in err
+    assert not (bad / "metrics.jsonl").exists()
+
+
+def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
+    import signal
+    import time
+
+    overrides, _, _ = two_steps
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *overrides, f"trainer.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    seen = []
+    for line in proc.stderr:  # the handlers are in place once this line is out
+        seen.append(line)
+        if "megatron_dapo.train INFO starting:" in line:
+            break
+    time.sleep(4)  # into the imports and the engine's start
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    _, err = _ends_with_nothing_left(proc, timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 1, err[-3000:]
+    assert "SIGTERM: stopping now (during start-up), nothing saved" in err, err[-3000:]
+    assert time.time() - t0 < 60
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cases = {
+        "seed=1": "error: config field model.hf_path is empty",  # no model given
+        "optim.lr=fast": "optim.lr",
+        f"model.hf_path={tmp_path / 'missing'}": str(tmp_path / "missing"),
+    }
+    for override, message in cases.items():
+        proc = subprocess.run([*cmd, override], env=env, capture_output=True, text=True, timeout=300)
+        lines = [x for x in proc.stderr.splitlines() if x.strip() and " INFO " not in x]
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith("error: ") and message in lines[0], lines
+    proc = subprocess.run([*cmd, "--debug"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr

@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, ConvertError, quiet_library_warnings
+from megatron_dapo.cli import quiet_libraries, run_cli
+from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, ConvertError
 
 _CHECKED_ENV = "MEGATRON_DAPO_CONVERT_RELAUNCHED"
 
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parameter dtype of the Megatron model (default: the dtype config.json declares, else bf16)",
     )
     ap.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
     args = ap.parse_args(argv)
     if args.tp < 1 or args.pp < 1:
         ap.error(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
@@ -161,7 +163,6 @@ def relaunch(argv: list[str], nproc: int) -> int:
 
 def convert(args: argparse.Namespace, arch, reader) -> None:
     """Build the model at the layout, load this rank's slices of the HF tensors, save the dist checkpoint."""
-    quiet_library_warnings()
 
     import torch.distributed as dist
 
@@ -234,19 +235,16 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    try:
+    quiet_libraries(args.debug)
+
+    def body() -> int:
         arch, reader = validate(args)
-    except ValueError as e:  # ConvertError, ArchError, LayoutError/ConfigError: a user-facing message
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.tp * args.pp > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch(argv, args.tp * args.pp)
-    try:
+        if args.tp * args.pp > 1 and "WORLD_SIZE" not in os.environ:
+            return relaunch(argv, args.tp * args.pp)
         convert(args, arch, reader)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    return run_cli(body, args.debug)
 
 
 if __name__ == "__main__":

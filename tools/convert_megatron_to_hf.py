@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, RUN_CONFIG, ConvertError, quiet_library_warnings
+from megatron_dapo.cli import quiet_libraries, run_cli
+from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, RUN_CONFIG, ConvertError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: 5GB)",
     )
     ap.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
     return ap.parse_args(argv)
 
 
@@ -109,7 +111,6 @@ def _largest_tensor_bytes(arch, dtype) -> int:
 
 def convert(args: argparse.Namespace, source, max_shard: int) -> None:
     """Build at TP=1/PP=1, load the dist checkpoint (resharding), stream HF tensors into safetensors shards."""
-    quiet_library_warnings()
 
     from megatron_dapo.config import load_config
     from megatron_dapo.convert.checkpoint_io import (
@@ -165,17 +166,8 @@ def convert(args: argparse.Namespace, source, max_shard: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        source, max_shard = validate(args)
-    except ValueError as e:  # ConvertError, ArchError: a user-facing message
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        convert(args, source, max_shard)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    quiet_libraries(args.debug)
+    return run_cli(lambda: convert(args, *validate(args)), args.debug)
 
 
 if __name__ == "__main__":

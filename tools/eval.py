@@ -8,7 +8,7 @@ The DAPO paper's AIME metric is avg@32: 32 samples per problem at temperature 1.
 defaults, from the config's eval section), averaged over all samples and problems; pass@k is the fraction of
 problems with at least one correct sample. --data is a JSONL or Parquet file in the DAPO-Math-17K or GSM8K
 schema, read as the trainer reads it (data.format, data.dedup; prompts longer than data.max_prompt_length are
-dropped and counted). Each response is scored by reward.verifier: 'auto' picks dapo when the row's
+dropped and counted). Each response is scored by reward.verifier: 'auto' picks hybrid when the row's
 data_source names dapo, else math_verify; --verifier overrides it. Problem i's sample j is seeded with
 seed + i*k + j (the trainer's periodic evaluation seeds alike), so a run is reproducible whatever --batch-size.
 Prints one summary line; --out writes one JSON object per problem.
@@ -39,6 +39,7 @@ from typing import Any
 
 import convert_megatron_to_hf
 
+from megatron_dapo.cli import quiet_libraries, run_cli
 from megatron_dapo.convert.checkpoint_io import RUN_CONFIG
 
 FLAG_KEYS = {
@@ -81,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, metavar="N", help="sampling seed (seed, default 42)")
     ap.add_argument(
-        "--verifier", metavar="NAME", help="auto, dapo, math_verify or package.module:function (reward.verifier)"
+        "--verifier",
+        metavar="NAME",
+        help="auto, hybrid, dapo, math_verify or package.module:function (reward.verifier)",
     )
     ap.add_argument("--tp", type=int, metavar="N", help="vLLM tensor-parallel size, GPU only (rollout.tp, default 1)")
     ap.add_argument(
@@ -89,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--config", metavar="YAML", help="a training config file to start from")
     ap.add_argument("--out", metavar="FILE", help="per-problem results, JSONL")
+    ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. model.dtype=bf16")
     args = ap.parse_args(argv)
     if args.batch_size < 1:
@@ -249,6 +253,23 @@ def summary_line(s: dict[str, Any]) -> str:
     )
 
 
+def check_fits(hf_dir: Path, longest_prompt: int, max_tokens: int) -> None:
+    """Readable weights (a truncated safetensors file is named) and prompt + response within the model's positions."""
+    from megatron_dapo.convert.checkpoint_io import SafetensorsReader
+    from megatron_dapo.model.arch import ModelArch
+
+    SafetensorsReader(hf_dir)  # raises ConvertError naming a damaged file
+    positions = ModelArch.from_hf_dir(hf_dir).max_position_embeddings
+    if longest_prompt + max_tokens > positions:
+        room = positions - longest_prompt
+        hint = f"pass --max-tokens {room} or less" if room > 0 else "the prompts alone fill them"
+        raise EvalError(
+            f"--max-tokens {max_tokens}: the longest prompt ({longest_prompt} tokens) plus {max_tokens} response "
+            f"tokens exceed the model's {positions} positions (max_position_embeddings in {hf_dir / 'config.json'}): "
+            f"{hint}"
+        )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole evaluation; returns summarize()'s dict. Raises ValueError subclasses naming what is wrong."""
     import torch
@@ -272,6 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tp = cfg.rollout.tp or 1
     with tempfile.TemporaryDirectory(prefix="megatron_dapo_eval_") as tmp:
         hf_dir = to_hf(kind, path, files, Path(tmp))
+        check_fits(hf_dir, max(len(p.token_ids) for p in prompts), max_tokens)
         engine = VLLMEngine(
             str(hf_dir),
             tensor_parallel_size=tp,
@@ -297,13 +319,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        summary = run(args)
-    except ValueError as e:  # EvalError, DatasetError, ConfigError, ConvertError: a user-facing message
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary_line(summary), flush=True)
-    return 0
+    quiet_libraries(args.debug)
+    return run_cli(lambda: print(summary_line(run(args)), flush=True), args.debug)
 
 
 if __name__ == "__main__":

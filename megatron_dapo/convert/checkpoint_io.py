@@ -25,7 +25,6 @@ import queue
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,15 +51,6 @@ _WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
 
 class ConvertError(ValueError):
     """A checkpoint we cannot read or write: the message names the file (and tensor or field) at fault."""
-
-
-def quiet_library_warnings() -> None:
-    """Silence the warnings megatron-core and torch print on every CPU run (missing Apex/TE, deprecations).
-
-    They say nothing about the conversion and bury its progress lines; other warnings still show.
-    """
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope is deprecated).*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch|megatron_dapo)\b.*")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -405,6 +395,7 @@ class SafetensorsReader(Mapping):
             for file in sorted(set(self.file_of.values())):
                 if not file.is_file():
                     raise ConvertError(f"{index} lists the shard {file.name}, which is missing from {self.dir}")
+                self._open(file)  # a truncated or damaged shard fails here, named, not deep inside a load
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:

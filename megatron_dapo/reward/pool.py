@@ -33,6 +33,7 @@ pool is meant for one thread.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import multiprocessing
@@ -42,6 +43,7 @@ import os
 import resource
 import signal
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +257,17 @@ class _Worker:
             pass
 
 
+_LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """At interpreter exit, before multiprocessing joins its children: our workers ignore SIGTERM, which is all
+    multiprocessing sends them, so a pool nobody closed (an exception at start-up) would hang the exit forever."""
+    for pool in list(_LIVE_POOLS):
+        pool.close()
+
+
 class _Ticket:
     """One submit() call: its responses, its results so far and what its metrics need."""
 
@@ -323,6 +336,7 @@ class RewardPool:
         self._unowned_restarts = 0
         """Restarts while no ticket was waiting, counted in the next ticket submitted."""
         _install_spawn_hook()
+        _LIVE_POOLS.add(self)
         self._workers = [self._spawn(slot) for slot in range(num_workers)]
 
     @classmethod
