@@ -406,7 +406,12 @@ def _ends_with_nothing_left(proc: subprocess.Popen, timeout: float) -> tuple[str
     """proc's (stdout, stderr) once it exits within timeout; every process it started is gone within 10 s."""
     import time
 
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # never leave a hung run behind a failed test
+        out, err = proc.communicate()
+        raise AssertionError(f"still running after {timeout} s:\n{err[-3000:]}") from None
     deadline = time.time() + 10
     while _session_survivors(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
