@@ -217,63 +217,6 @@ def test_a_nan_loss_skips_the_update(tmp_path):
     assert good["actor/update_applied"] == 1.0 and got["steps_after_good"] == 1 and math.isfinite(good["actor/loss"])
 
 
-def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(tmp_path):
-    import signal
-    import time
-
-    model = build_tiny_qwen2(tmp_path / "model", seed=0)
-    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
-    common = [
-        f"model.hf_path={model}",
-        "model.dtype=fp32",
-        f"data.train_files=[{data}]",
-        "data.max_prompt_length=480",
-        "rollout.max_response_length=24",
-        "algorithm.overlong_buffer_len=8",
-        "algorithm.group_size=4",
-        "algorithm.dynamic_sampling=false",
-        "sampler.train_batch_size=4",
-        "sampler.gen_batch_size=4",
-        "optim.mini_batch_size=8",
-        "optim.warmup_steps=2",
-        "optim.lr=1e-3",
-        "reward.num_workers=1",
-        "trainer.total_steps=4",
-        "trainer.save_every=0",
-        "trainer.tensorboard=false",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
-
-    full = tmp_path / "full"
-    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    want = [_comparable(json.loads(x)) for x in (full / "metrics.jsonl").read_text().splitlines()]
-
-    cut = tmp_path / "cut"
-    proc = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-4000:]
-    assert "SIGTERM: saved" in out
-    first = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
-    stopped_at = int(first[-1]["step"])
-    assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
-    assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
-
-    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    got = [_comparable(json.loads(x)) for x in (cut / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
-    assert got == want  # step for step, the same as the run that was never interrupted
-    assert (cut / "FINISHED").read_text().strip() == "4"
-
-
 def _ends_early(model_dir: Path) -> Path:
     """The tiny random model with its end-of-turn logit scaled up 2.5x: responses then end anywhere in 1..24
     tokens (measured) instead of nearly always at the limit, so groups finish at different steps."""
@@ -288,46 +231,64 @@ def _ends_early(model_dir: Path) -> Path:
     return model_dir
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """uninterrupted(partial) -> (cmd, env, metrics lines) of a 4-step run with a checkpoint every step, made once.
+
+    Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
+    so steps abort and requeue groups, and with partial rollout pause them across the weight sync: the
+    checkpoints hold that state.
+    """
+    runs: dict[bool, tuple] = {}
+
+    def get(partial: bool) -> tuple[list[str], dict, list[dict]]:
+        if partial in runs:
+            return runs[partial]
+        root = tmp_path_factory.mktemp("partial" if partial else "stream")
+        model = _ends_early(build_tiny_qwen2(root / "model", seed=0))
+        data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+        common = [
+            f"model.hf_path={model}",
+            "model.dtype=fp32",
+            f"data.train_files=[{data}]",
+            "data.max_prompt_length=480",
+            "rollout.max_response_length=24",
+            "algorithm.overlong_buffer_len=8",
+            "algorithm.group_size=4",
+            "reward.verifier=reward_helpers:one_in_four",
+            "sampler.train_batch_size=4",
+            "sampler.tick_steps=2",
+            "optim.mini_batch_size=8",
+            "optim.warmup_steps=0",
+            "optim.lr=1e-3",
+            "reward.num_workers=1",
+            "trainer.total_steps=4",
+            "trainer.save_every=1",
+            "trainer.tensorboard=false",
+        ]
+        if partial:
+            common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.engine_sequences=40"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+        cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
+        full = root / "full"
+        done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        lines = _metrics(full)
+        assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0]
+        runs[partial] = cmd, env, lines
+        return runs[partial]
+
+    return get
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["stream", "partial_rollout"])
-def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, partial):
-    """Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
-    so steps abort and requeue groups, and with partial rollout pause them across the weight sync; a checkpoint
-    every step holds that state. SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly."""
+def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, partial):
+    """SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly."""
     import signal
     import time
 
-    model = _ends_early(build_tiny_qwen2(tmp_path / "model", seed=0))
-    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
-    common = [
-        f"model.hf_path={model}",
-        "model.dtype=fp32",
-        f"data.train_files=[{data}]",
-        "data.max_prompt_length=480",
-        "rollout.max_response_length=24",
-        "algorithm.overlong_buffer_len=8",
-        "algorithm.group_size=4",
-        "reward.verifier=reward_helpers:one_in_four",
-        "sampler.train_batch_size=4",
-        "sampler.tick_steps=2",
-        "optim.mini_batch_size=8",
-        "optim.warmup_steps=0",
-        "optim.lr=1e-3",
-        "reward.num_workers=1",
-        "trainer.total_steps=4",
-        "trainer.save_every=1",
-        "trainer.tensorboard=false",
-    ]
-    if partial:
-        common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.engine_sequences=40"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
-
-    full = tmp_path / "full"
-    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = _metrics(full)
+    cmd, env, lines = uninterrupted(partial)
     want = [_comparable(m) for m in lines]
-    assert [m["step"] for m in want] == [1.0, 2.0, 3.0, 4.0]
     key = "sampler/paused" if partial else "sampler/requeued"
     assert sum(m[key] for m in lines) > 0  # the checkpoints hold groups in flight / requeued prompts
     if partial:
@@ -349,6 +310,40 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, 
     got = [_comparable(m) for m in _metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]  # each step once: lines past the checkpoint dropped
     assert got == want
+
+
+def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterrupted, tmp_path):
+    import signal
+    import time
+
+    cmd, env, lines = uninterrupted(False)
+    want = [_comparable(m) for m in lines]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "SIGTERM: saved" in out
+    stopped_at = int(_metrics(cut)[-1]["step"])
+    assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert len(list((cut / "checkpoints").glob("step_*"))) == 1  # the signal's save only (save_every=0)
+    assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
+
+    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    got = [_comparable(m) for m in _metrics(cut)]
+    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
+    assert got == want  # step for step, the same as the run that was never interrupted
+    assert (cut / "FINISHED").read_text().strip() == "4"
 
 
 def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
