@@ -14,11 +14,13 @@ import sys
 import warnings
 from typing import Callable
 
-from megatron_dapo.checkpoint import CheckpointError
-from megatron_dapo.data.scheduler import DynamicSamplingError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, CheckpointError, DynamicSamplingError)
-"""What a user fixes, not us: ConfigError, DatasetError, ArchError, ConvertError, EvalError are ValueErrors."""
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a user fixes, not us: ConfigError, DatasetError, ArchError, ConvertError, EvalError are ValueErrors."""
+    from megatron_dapo.checkpoint import CheckpointError  # imported late: torch reads its log level at import
+    from megatron_dapo.data.scheduler import DynamicSamplingError
+
+    return ValueError, FileNotFoundError, CheckpointError, DynamicSamplingError
 
 LIBRARIES = ("vllm", "torch", "transformers", "megatron", "datasets", "urllib3", "filelock", "httpx", "math_verify")
 """Loggers held to WARNING (and their Python warnings hidden) unless --debug: nothing a user can act on."""
@@ -35,7 +37,11 @@ def quiet_libraries(debug: bool) -> None:
         return
     for name in LIBRARIES:
         logging.getLogger(name).setLevel(logging.WARNING)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM configures its own loggers at import
+    # vLLM's warnings are about settings we chose for it (eager mode, no chunked prefill, CPU tuning hints);
+    # it configures its own loggers at import, and torch's C++ warnings are read when torch loads.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # Warnings about code we do not own (deprecations, missing Transformer Engine/Apex on CPU).
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -56,7 +62,7 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
     """body's exit status; a user error prints one line (the traceback with debug) and gives 1."""
     try:
         return body() or 0
-    except USER_ERRORS as e:
+    except user_errors() as e:
         if debug:
             raise
         print(error_line(e), file=sys.stderr, flush=True)

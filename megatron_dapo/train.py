@@ -19,10 +19,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_dapo.cli import quiet_libraries, run_cli
-from megatron_dapo.config import Config, load_config, to_yaml
+from megatron_dapo.cli import quiet_libraries, run_cli  # light: torch must not load before the log settings
+
+if TYPE_CHECKING:
+    from megatron_dapo.config import Config
 
 log = logging.getLogger("megatron_dapo.train")
 
@@ -40,6 +42,8 @@ class MetricSinks:
         self.tb = self.wandb = None
         if not active:
             return
+        from megatron_dapo.config import to_yaml
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(resumed_step)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -117,6 +121,8 @@ class StopSignals:
 
 
 def train(config: str | None, overrides: list[str]) -> None:
+    from megatron_dapo.config import load_config
+
     cfg = load_config(config, overrides)
     stop = StopSignals()
     if os.environ.get("RANK", "0") == "0":
