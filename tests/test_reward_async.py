@@ -114,9 +114,10 @@ def test_score_while_tickets_are_outstanding(auto_pool):
     rng = random.Random(7)
     first, second = _random_items(rng, 24), _random_items(rng, 8)
     ticket = auto_pool.submit(*first[:3])
-    assert auto_pool.score(*second[:3]).acc == second[3]  # scored after the earlier ticket's responses
-    assert not auto_pool._todo and all(not w.inflight for w in auto_pool._workers if w is not None)
-    assert auto_pool.done(ticket)  # FIFO: the earlier ticket was scored first
+    assert auto_pool.score(*second[:3]).acc == second[3]
+    # FIFO: every response of the earlier ticket went to a worker before the later ones (its last may still be
+    # running on the other worker: completion order is not promised, and under load it differs)
+    assert not auto_pool._todo
     assert auto_pool.result(ticket).acc == first[3]
 
 
