@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo clean
+.PHONY: install test test-fast lint demo clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)  # everything but the end-to-end runs marked slow (each over ~25 s)
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check megatron_dapo kernels tools tests

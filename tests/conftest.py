@@ -9,4 +9,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: over a minute; still part of `make test`")
+    config.addinivalue_line(
+        "markers", "slow: an end-to-end run of ~25 s or more; `make test` runs it, `make test-fast` does not"
+    )

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_writes_its_results(tmp_path):
     out = tmp_path / "demo"
     # a warm start of 60 supervised steps (target 0), then 2 DAPO steps; the cap is off so a

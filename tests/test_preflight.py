@@ -24,6 +24,7 @@ CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge")
 GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "te")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU subset: which checks run and which skip")
 def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_path):
     out = tmp_path / "pf.json"

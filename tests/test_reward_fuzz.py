@@ -35,7 +35,9 @@ def test_fuzz_cases_are_seeded_and_cover_every_generator(fuzz_cases):
     assert max(len(r) for r in responses) > 100_000 and "" in references
 
 
-@pytest.mark.parametrize("verifier", fuzz_reward.VERIFIERS)
+@pytest.mark.parametrize(
+    "verifier", [pytest.param(v, marks=pytest.mark.slow) if v == "math_verify" else v for v in fuzz_reward.VERIFIERS]
+)
 def test_fuzz_through_the_pool(verifier, fuzz_cases, caplog):
     with caplog.at_level(logging.ERROR, logger="megatron_dapo.reward"):  # the pool logs each timeout: expected
         row = fuzz_reward.fuzz_verifier(verifier, *fuzz_cases, workers=2, timeout_s=TIMEOUT_S)

@@ -16,6 +16,7 @@ from rollout_helpers import load_hf_model
 from megatron_dapo.model.tiny import build_tiny_qwen2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
 def test_bridge_sync_into_vllm_matches_megatron(tmp_path, overrides):
     case = build_tiny_qwen2(tmp_path / "case", seed=1)

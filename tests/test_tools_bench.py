@@ -180,6 +180,7 @@ def _bench(tmp_path: Path, *args: str, prelude: str = "") -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_bench_throughput_tiny_measures_every_part(tmp_path):
     got = _bench(tmp_path, *SMALL_RUN, "--steps", "1")
     assert got["parts"] == ["rollout", "train", "sync", "step"] and got["skipped"] == {}

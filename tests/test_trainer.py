@@ -167,6 +167,7 @@ def test_two_rollout_steps_end_to_end(two_steps):
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
 
 
+@pytest.mark.slow
 def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tmp_path):
     """torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, fed groups on demand by the scheduler.
 
@@ -281,6 +282,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["stream", "partial_rollout"])
 def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, partial):
     """SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly."""
@@ -312,6 +314,7 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrup
     assert got == want
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterrupted, tmp_path):
     import signal
     import time
@@ -346,6 +349,7 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterru
     assert (cut / "FINISHED").read_text().strip() == "4"
 
 
+@pytest.mark.slow
 def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
     """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
     schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
