@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 import time
 
 from megatron_dapo.reward import RewardPool
@@ -310,10 +311,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # per-response timeouts and errors are counted, not logged
     responses, references, categories = make_cases(args.n, args.seed)
-    rows = [
-        fuzz_verifier(v, responses, references, categories, args.workers, args.timeout_s, args.batch)
-        for v in args.verifier
-    ]
+    rows = []
+    for v in args.verifier:  # math_verify alone can take an hour (its timeouts): say where the run is
+        rows.append(fuzz_verifier(v, responses, references, categories, args.workers, args.timeout_s, args.batch))
+        r = rows[-1]
+        print(f"{v}: {r['responses']} responses, {r['crashes']} crashes, {r['timeout']} timeouts, "
+              f"{r['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     print_table(rows)
 
 
