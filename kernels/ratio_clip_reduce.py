@@ -59,6 +59,7 @@ from typing import Optional, Union
 import torch
 
 from megatron_dapo.algorithm.policy_loss import STAT_KEYS, PolicyLoss, policy_loss
+from megatron_dapo.choices import LOSS_IMPLS
 
 try:  # triton is optional: without it the dispatcher falls back to the reference
     import triton
@@ -68,8 +69,6 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 __all__ = ["LOSS_IMPLS", "compute_policy_loss", "fused_policy_loss", "interpreter_enabled"]
-
-LOSS_IMPLS = ("auto", "reference", "fused")
 
 # Rows of the [NUM_ROWS, n_blocks] float64 partials (the kernels use these numbers): 0 loss,
 # 1 valid tokens, 2 clip_low, 3 clip_high, 4 clip_dual, 5 ratio sum, 6 ratio max, 7 k3 KL sum.

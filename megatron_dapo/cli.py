@@ -22,6 +22,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return ValueError, FileNotFoundError, CheckpointError, DynamicSamplingError
 
+
 LIBRARIES = ("vllm", "torch", "transformers", "megatron", "datasets", "urllib3", "filelock", "httpx", "math_verify")
 """Loggers held to WARNING (and their Python warnings hidden) unless --debug: nothing a user can act on."""
 

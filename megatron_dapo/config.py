@@ -27,12 +27,15 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_dapo.algorithm.policy_loss import LOSS_AGG_MODES
-from megatron_dapo.data.datasets import BAD_ROW_POLICIES
-from megatron_dapo.data.datasets import FORMATS as DATASET_FORMATS
-from megatron_dapo.data.scheduler import SAMPLER_MODES, SHORTFALL_POLICIES
-from megatron_dapo.kernels.ratio_clip_reduce import LOSS_IMPLS
-from megatron_dapo.reward.verifiers import VERIFIER_NAMES
+from megatron_dapo.choices import (
+    BAD_ROW_POLICIES,
+    DATASET_FORMATS,
+    LOSS_AGG_MODES,
+    LOSS_IMPLS,
+    SAMPLER_MODES,
+    SHORTFALL_POLICIES,
+    VERIFIER_NAMES,
+)
 
 DTYPES = ("bf16", "fp16", "fp32")
 FP8_FORMATS = ("e4m3", "hybrid")

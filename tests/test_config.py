@@ -114,3 +114,17 @@ def test_every_field_is_documented():
         docs = config_module.field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{name}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize("module", ["megatron_dapo.config", "megatron_dapo.train"])
+def test_reading_a_config_loads_no_heavy_library(module):
+    """The config is a leaf (its allowed values live in megatron_dapo.choices), and the trainer's entry point sets
+    the libraries' log levels before torch loads: neither import may pull in torch, Triton or the verifiers."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "triton", "math_verify", "sympy", "vllm", "megatron.core")
+    code = f"import sys, {module}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"{module} loads {out.stdout.strip()}"

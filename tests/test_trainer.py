@@ -232,6 +232,25 @@ def _ends_early(model_dir: Path) -> Path:
     return model_dir
 
 
+def _informative_at_random(root: Path) -> list[str]:
+    """Overrides for a run on the tiny model (ends early, see _ends_early) whose groups are informative at random:
+    a verifier right for a quarter of all texts, groups of 4, batches of 4, decisions every 2 engine steps."""
+    model = _ends_early(build_tiny_qwen2(root / "model", seed=0))
+    data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    return [
+        f"model.hf_path={model}",
+        "model.dtype=fp32",
+        f"data.train_files=[{data}]",
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "reward.verifier=reward_helpers:one_in_four",
+        "sampler.train_batch_size=4",
+        "sampler.tick_steps=2",
+    ]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """uninterrupted(partial) -> (cmd, env, metrics lines) of a 4-step run with a checkpoint every step, made once.
@@ -246,19 +265,8 @@ def uninterrupted(tmp_path_factory):
         if partial in runs:
             return runs[partial]
         root = tmp_path_factory.mktemp("partial" if partial else "stream")
-        model = _ends_early(build_tiny_qwen2(root / "model", seed=0))
-        data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
         common = [
-            f"model.hf_path={model}",
-            "model.dtype=fp32",
-            f"data.train_files=[{data}]",
-            "data.max_prompt_length=480",
-            "rollout.max_response_length=24",
-            "algorithm.overlong_buffer_len=8",
-            "algorithm.group_size=4",
-            "reward.verifier=reward_helpers:one_in_four",
-            "sampler.train_batch_size=4",
-            "sampler.tick_steps=2",
+            *_informative_at_random(root),
             "optim.mini_batch_size=8",
             "optim.warmup_steps=0",
             "optim.lr=1e-3",
@@ -354,19 +362,8 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
     """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
     schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
     generate reach it as tensors."""
-    model = _ends_early(build_tiny_qwen2(tmp_path / "model", seed=0))
-    data = write_jsonl(tmp_path / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
     overrides = [
-        f"model.hf_path={model}",
-        "model.dtype=fp32",
-        f"data.train_files=[{data}]",
-        "data.max_prompt_length=480",
-        "rollout.max_response_length=24",
-        "algorithm.overlong_buffer_len=8",
-        "algorithm.group_size=4",
-        "reward.verifier=reward_helpers:one_in_four",
-        "sampler.train_batch_size=4",
-        "sampler.tick_steps=2",
+        *_informative_at_random(tmp_path),
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
         "sampler.engine_sequences=40",

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+from megatron_dapo.choices import LOSS_AGG_MODES
 
 # The statistics policy_loss returns, as sums over valid tokens (reduce them across
 # micro-batches and ranks by summing, except ratio_max which reduces by max).

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo.choices import BAD_ROW_POLICIES
+from megatron_dapo.choices import DATASET_FORMATS as FORMATS
 from megatron_dapo.data.types import Prompt
 from megatron_dapo.reward.verifiers import gsm8k_answer
 
 logger = logging.getLogger("megatron_dapo.data")
 
-FORMATS = ("auto", "dapo", "gsm8k")
-BAD_ROW_POLICIES = ("error", "skip")
 SUFFIXES = (".jsonl", ".parquet")
 
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."

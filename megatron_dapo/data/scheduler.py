@@ -47,8 +47,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-SAMPLER_MODES = ("stream", "fill", "dynamic_bs")
-SHORTFALL_POLICIES = ("error", "train")
+from megatron_dapo.choices import SAMPLER_MODES, SHORTFALL_POLICIES
 
 INITIAL_INFORMATIVE_FRAC = 0.5
 """The first step's guess of the informative fraction; later steps start from what earlier steps measured."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
-VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
+from megatron_dapo.choices import VERIFIER_NAMES
 
 Verifier = Callable[[str, str], "VerifyResult"]
 

@@ -1,0 +1,26 @@
+"""The allowed values of the config's string fields: a leaf that imports nothing.
+
+The config validates against them and the modules that act on them import them from here, so reading a
+config loads no torch, Triton or verifier code.
+"""
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+"""algorithm.loss_agg_mode: DAPO's token-level mean, or GRPO's per-sequence mean of token means."""
+
+LOSS_IMPLS = ("auto", "reference", "fused")
+"""algorithm.loss_impl: the fused Triton kernel, the PyTorch reference, or fused on CUDA tensors."""
+
+DATASET_FORMATS = ("auto", "dapo", "gsm8k")
+"""data.format: the row schemas the prompt datasets read."""
+
+BAD_ROW_POLICIES = ("error", "skip")
+"""data.on_bad_row: stop at a malformed row, or count and skip it."""
+
+SAMPLER_MODES = ("stream", "fill", "dynamic_bs")
+"""sampler.mode: how informative groups are found."""
+
+SHORTFALL_POLICIES = ("error", "train")
+"""sampler.on_shortfall: what a step does when the generation cap cannot fill its batch."""
+
+VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
+"""reward.verifier's built-in names (a 'package.module:function' is also accepted)."""
