@@ -28,7 +28,7 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 SECTOR = 32  # bytes: the DRAM access granularity the traffic model counts in
 
 
-def parse_size(text: str) -> int:
+def parse_tokens(text: str) -> int:
     """'4M' -> 4 * 2**20 tokens; also K, G and plain integers."""
     text = text.strip().upper()
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
@@ -311,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if hasattr(torch._dynamo.config, "cache_size_limit"):  # one recompile per size and phase
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows = []
-    for size in (parse_size(s) for s in args.sizes.split(",")):
+    for size in (parse_tokens(s) for s in args.sizes.split(",")):
         rows += bench_size(size, args, copy_gbs, dtype)
         torch.cuda.empty_cache()  # the reference's intermediates at this size are garbage now
     print_table(rows)

@@ -254,7 +254,7 @@ def check_kernel_equality(ctx: dict) -> Result:
 
 def check_kernel_timing(ctx: dict) -> Result:
     import torch
-    from bench_kernel import bench_size, parse_size
+    from bench_kernel import bench_size, parse_tokens
 
     sizes = ["1M", "4M"] if ctx["fast"] else ["1M", "4M", "16M", "64M"]
     args = SimpleNamespace(
@@ -273,7 +273,7 @@ def check_kernel_timing(ctx: dict) -> Result:
     rows = []
     n: dict[str, Any] = {"copy_gbs": round(copy, 1)}
     for size in sizes:
-        mine = bench_size(parse_size(size), args, copy, torch.bfloat16)
+        mine = bench_size(parse_tokens(size), args, copy, torch.bfloat16)
         torch.cuda.empty_cache()
         rows += mine
         by = {r["impl"]: r for r in mine if r["phase"] == "fwd+bwd"}
