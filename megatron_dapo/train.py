@@ -110,13 +110,16 @@ class StopSignals:
     def __init__(self) -> None:
         self.name: str | None = None
         self.running = False
+        self.phase = "start-up"
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if not self.running or self.name is not None:
-            raise SystemExit(f"{name}: stopping now ({'again' if self.name else 'during start-up'}), nothing saved")
+            raise SystemExit(
+                f"{name}: stopping now ({'again' if self.name else f'during {self.phase}'}), nothing saved"
+            )
         self.name = name
 
 
@@ -162,7 +165,7 @@ def train(config: str | None, overrides: list[str]) -> None:
         if rank0:  # tells a requeueing batch script the run is done
             (Path(cfg.trainer.run_dir) / "FINISHED").write_text(f"{trainer.step}\n")
     finally:
-        stop.running = False
+        stop.running, stop.phase = False, "shut-down"
         if sinks is not None:
             sinks.close()
         trainer.close()
