@@ -290,15 +290,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = list(dataset)
     log(f"{args.data}: {len(prompts)} problems ({', '.join(f'{n}={v}' for n, v in dataset.stats.items())})")
     max_tokens = cfg.eval.max_response_length or cfg.rollout.max_response_length
+    longest = max(len(p.token_ids) for p in prompts)
     tp = cfg.rollout.tp or 1
     with tempfile.TemporaryDirectory(prefix="megatron_dapo_eval_") as tmp:
         hf_dir = to_hf(kind, path, files, Path(tmp))
-        check_fits(hf_dir, max(len(p.token_ids) for p in prompts), max_tokens)
+        check_fits(hf_dir, longest, max_tokens)
         engine = VLLMEngine(
             str(hf_dir),
             tensor_parallel_size=tp,
             dtype=cfg.model.dtype,
-            max_model_len=max(len(p.token_ids) for p in prompts) + max_tokens,
+            max_model_len=longest + max_tokens,
             gpu_memory_utilization=0.9,  # not colocated with a trainer: the device is the engine's
             enable_sleep_mode=False,
             seed=cfg.seed,
