@@ -77,14 +77,9 @@ def megatron_logits(ckpts: list[Path], tokens, out: Path) -> dict:
 
 def training_checkpoint(hf_dir: Path, run: Path, out: Path, nproc: int, *overrides: str) -> dict:
     """Run this file's train-checkpoint worker on nproc ranks; returns the checkpointed weights {HF name: tensor}."""
-    import socket
-
     import torch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += [__file__, "train-checkpoint", str(hf_dir), str(run), str(out), *overrides]
     proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"train-checkpoint worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

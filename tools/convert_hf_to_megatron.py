@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -129,12 +128,6 @@ def validate(args: argparse.Namespace):
     return arch, reader
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def relaunch(argv: list[str], nproc: int) -> int:
     """Run this script again under torch.distributed.run with nproc processes; returns its exit code."""
     import torch
@@ -143,10 +136,8 @@ def relaunch(argv: list[str], nproc: int) -> int:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # the rendezvous store binds port 0 itself: no free-port race with parallel launches
         f"--nproc-per-node={nproc}",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
         str(Path(__file__).resolve()),
         *argv,
     ]
