@@ -36,9 +36,9 @@ from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
 from megatron_dapo.data.exchange import Comm, SampleId, deliver
 from megatron_dapo.data.scheduler import GroupMeta
-from megatron_dapo.data.types import Prompt, Response
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.reward import RewardBatch
+from megatron_dapo.types import Prompt, Response
 
 log = logging.getLogger("megatron_dapo.trainer")
 

@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_dapo.data.types import Prompt, Response
 from megatron_dapo.rollout.engine import GroupRequest
+from megatron_dapo.types import Prompt, Response
 
 Script = Callable[[int, int, int], tuple[int, bool]]
 """(prompt index, sample index, sample seed) -> (response length in tokens, correct?)."""

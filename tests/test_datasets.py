@@ -11,7 +11,7 @@ import pytest
 from megatron_dapo.config import DataConfig
 from megatron_dapo.data.datasets import GSM8K_INSTRUCTION, DatasetError, PromptDataset
 from megatron_dapo.data.generator import generate_rows, write_jsonl, write_parquet
-from megatron_dapo.data.tokenizer import GENERATION_PROMPT, train_byte_bpe_tokenizer
+from megatron_dapo.model.tokenizer import GENERATION_PROMPT, train_byte_bpe_tokenizer
 
 # ------------------------------------------------------------------ fixtures and helpers
 

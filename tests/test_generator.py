@@ -16,7 +16,7 @@ import pytest
 
 from megatron_dapo.data import generator as gen
 from megatron_dapo.data.datasets import PromptDataset
-from megatron_dapo.data.tokenizer import GENERATION_PROMPT, SPECIAL_TOKENS, train_byte_bpe_tokenizer
+from megatron_dapo.model.tokenizer import GENERATION_PROMPT, SPECIAL_TOKENS, train_byte_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CALC = re.compile(r"<<([^=<>]+)=(-?\d+)>>(-?\d+)")

@@ -16,9 +16,9 @@ pytest.importorskip("vllm")
 
 from rollout_helpers import hf_greedy, hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
 
-from megatron_dapo.data.types import Response  # noqa: E402
 from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 from megatron_dapo.rollout import RolloutEngine, VLLMEngine  # noqa: E402
+from megatron_dapo.types import Response  # noqa: E402
 
 ATOL = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this model
 

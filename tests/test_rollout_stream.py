@@ -20,9 +20,9 @@ pytest.importorskip("vllm")
 
 from rollout_helpers import hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
 
-from megatron_dapo.data.types import Response  # noqa: E402
 from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 from megatron_dapo.rollout import GroupRequest, StreamingEngine, VLLMEngine, continuation_seed  # noqa: E402
+from megatron_dapo.types import Response  # noqa: E402
 
 ATOL_SAME = 1e-6  # streamed vs batch-generated logprobs: the same engine, the same seeds (measured: exactly equal)
 ATOL_HF = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this model

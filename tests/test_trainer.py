@@ -17,9 +17,9 @@ import torch
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 from megatron_dapo.data.scheduler import GroupMeta
-from megatron_dapo.data.types import Prompt, Response
 from megatron_dapo.model.tiny import build_tiny_qwen2
 from megatron_dapo.trainer import minibatch_ids, train_samples
+from megatron_dapo.types import Prompt, Response
 
 
 def _meta(key: int, index: int, rewards: list[float], truncated: list[bool]) -> GroupMeta:

@@ -366,8 +366,8 @@ def _shape_model_dir(arch, out: Path) -> Path:
     """
     from transformers import Qwen2Config
 
-    from megatron_dapo.data.tokenizer import train_byte_bpe_tokenizer
     from megatron_dapo.model.tiny import CORPUS
+    from megatron_dapo.model.tokenizer import train_byte_bpe_tokenizer
 
     tok = train_byte_bpe_tokenizer(CORPUS, out, vocab_size=320)
     Qwen2Config(

@@ -46,8 +46,8 @@ from megatron_dapo.data.scheduler import (
     Stopped,
     Submission,
 )
-from megatron_dapo.data.types import Group, Prompt, Response
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
+from megatron_dapo.types import Group, Prompt, Response
 
 log = logging.getLogger("megatron_dapo.data")
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.data.scheduler import GroupMeta, Stopped
-from megatron_dapo.data.types import Response
+from megatron_dapo.types import Response
 
 SampleId = tuple[int, int]
 """(group key, sample index within the group)."""

@@ -2,7 +2,7 @@
 
 Nothing can be downloaded here, so the model is built from a config with transformers and
 saved as float32 safetensors next to a tokenizer trained by
-megatron_dapo.data.tokenizer.train_byte_bpe_tokenizer: an ordinary HF model directory that
+megatron_dapo.model.tokenizer.train_byte_bpe_tokenizer: an ordinary HF model directory that
 transformers, vLLM and our converters load.
 """
 
@@ -48,7 +48,7 @@ def build_tiny_qwen2(
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_dapo.data.tokenizer import train_byte_bpe_tokenizer
+    from megatron_dapo.model.tokenizer import train_byte_bpe_tokenizer
 
     out_dir = Path(out_dir)
     tok = train_byte_bpe_tokenizer(corpus or CORPUS, out_dir, vocab_size=vocab_size)

@@ -37,7 +37,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from megatron_dapo.data.types import Response
+from megatron_dapo.types import Response
 
 
 @runtime_checkable

@@ -62,8 +62,8 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.data.types import Response
 from megatron_dapo.rollout.engine import GroupRequest, continuation_seed, new_stats, validate_generate_args
+from megatron_dapo.types import Response
 
 logger = logging.getLogger(__name__)
 
