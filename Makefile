@@ -20,11 +20,15 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+# two workers, one test file each at a time (a file's module fixtures are built once); tests start their
+# own subprocesses, so a worker is mostly waiting on them and two fit two cores
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test-fast: $(STAMP)  # everything but the end-to-end runs marked slow (each over ~25 s)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+test: $(STAMP)
+	$(PYTEST) tests
+
+test-fast: $(STAMP)  # everything but the end-to-end runs marked slow
+	$(PYTEST) -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check megatron_dapo kernels tools tests

@@ -11,7 +11,9 @@ A checkpoint is written under `step_N.tmp` and renamed when complete, and `lates
 replaced atomically after that, so a crash mid-save never leaves a half checkpoint that
 looks whole. `load` falls back from a missing or unreadable checkpoint to the previous
 complete one, saying so. The optimizer uses the distributed optimizer's dp_reshardable
-format (the default one cannot be saved from every layout).
+format (the default one cannot be saved from every layout). The layout's file names and the
+search for complete steps are convert/resolve.py's, so the conversion tools read it without
+importing this module.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.convert.checkpoint_io import in_process_write_results, model_sharded_state_dict
+from megatron_dapo.convert.megatron_io import in_process_write_results, model_sharded_state_dict
+from megatron_dapo.convert.resolve import COMPLETE, LATEST, complete_steps, step_candidates
+from megatron_dapo.model.provider import unwrap
 
 log = logging.getLogger("megatron_dapo.checkpoint")
 
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-_COMPLETE = "COMPLETE"
 
 
 class CheckpointError(RuntimeError):
@@ -101,6 +104,13 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(value, dtype=state["step"].dtype, device=state["step"].device)
 
 
+def _sharded_state(policy, is_loading: bool) -> tuple[dict, dict]:
+    """(the model's sharded state dict, it with the optimizer's added): what dist_checkpointing saves and loads."""
+    model_sd = model_sharded_state_dict(policy.model)
+    optim_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    return model_sd, {**model_sd, "optimizer": optim_sd}
+
+
 class CheckpointManager:
     """Save, find and load training checkpoints under root, keeping the newest keep_last."""
 
@@ -124,11 +134,7 @@ class CheckpointManager:
         dist.barrier()
         from megatron.core import dist_checkpointing
 
-        model_sd = model_sharded_state_dict(policy.model)
-        sharded = {
-            **model_sd,
-            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIM_METADATA),
-        }
+        _, sharded = _sharded_state(policy, is_loading=False)
         with in_process_write_results():
             dist_checkpointing.save(sharded, str(tmp / "dist"))
         torch.save(
@@ -143,13 +149,13 @@ class CheckpointManager:
         )
         dist.barrier()
         if rank == 0:
-            (tmp / _COMPLETE).write_text(f"{dist.get_world_size()}\n")
+            (tmp / COMPLETE).write_text(f"{dist.get_world_size()}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            latest_tmp = self.root / "latest.tmp"
+            latest_tmp = self.root / f"{LATEST}.tmp"
             latest_tmp.write_text(final.name + "\n")
-            os.replace(latest_tmp, self.root / "latest")  # last: a reader never sees a pointer to a partial save
+            os.replace(latest_tmp, self.root / LATEST)  # last: a reader never sees a pointer to a partial save
             self._prune()
         dist.barrier()
         return final
@@ -163,18 +169,11 @@ class CheckpointManager:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and (p / _COMPLETE).is_file())
+        return complete_steps(self.root)
 
     def candidates(self) -> list[Path]:
         """What load tries, in order: the one `latest` names, then the other complete ones, newest first."""
-        complete = self.complete()[::-1]
-        pointer = self.root / "latest"
-        if pointer.is_file():
-            named = self.root / pointer.read_text().strip()
-            return [named] + [p for p in complete if p != named]
-        return complete
+        return step_candidates(self.root)
 
     # ---------------------------------------------------------------- load
 
@@ -205,10 +204,10 @@ class CheckpointManager:
     def _load_one(self, policy, ckpt: Path) -> dict[str, Any]:
         from megatron.core import dist_checkpointing
 
-        if not (ckpt / _COMPLETE).is_file():
-            raise CheckpointError(f"{ckpt} is incomplete (no {_COMPLETE} marker)")
+        if not (ckpt / COMPLETE).is_file():
+            raise CheckpointError(f"{ckpt} is incomplete (no {COMPLETE} marker)")
         rank_file = ckpt / "state" / f"rank{dist.get_rank():05d}.pt"
-        saved_world = int((ckpt / _COMPLETE).read_text().strip() or 0)
+        saved_world = int((ckpt / COMPLETE).read_text().strip() or 0)
         if saved_world != dist.get_world_size() or not rank_file.is_file():
             raise CheckpointError(
                 f"{ckpt} was saved by {saved_world} ranks, this run has {dist.get_world_size()}: "
@@ -216,15 +215,11 @@ class CheckpointManager:
             )
         state = torch.load(rank_file, weights_only=False)
         _ensure_optimizer_state(policy.optimizer)
-        model_sd = model_sharded_state_dict(policy.model)
-        sharded = {
-            **model_sd,
-            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA),
-        }
+        model_sd, sharded = _sharded_state(policy, is_loading=True)
         with torch.no_grad():
             loaded = dist_checkpointing.load(sharded, str(ckpt / "dist"))
             for key, chunk in zip(model_sd, policy.model):
-                (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(loaded[key], strict=True)
+                unwrap(chunk).load_state_dict(loaded[key], strict=True)
             policy.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(policy.optimizer)
         policy.scheduler.load_state_dict(state["scheduler"])

@@ -1,13 +1,17 @@
-"""What every command-line entry point shares: a user's mistake is one `error:` line, library chatter is off.
+"""What every command-line entry point shares: a user's mistake is one `error:` line, library chatter is off,
+progress lines say which tool wrote them, and token counts are read the same way.
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_libraries(args.debug)
     return run_cli(lambda: run(args), args.debug)
+
+log = tool_log("eval")   # log("vLLM engine up") prints "[eval] vLLM engine up"
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -68,3 +72,32 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
             raise
         print(error_line(e), file=sys.stderr, flush=True)
         return 1
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A tool's parser whose --help is its module docstring: first paragraph above the options, the rest below."""
+    head, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(
+        description=head, epilog=rest or None, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def tool_log(tool: str, rank0_only: bool = False) -> Callable[[str], None]:
+    """A tool's log(msg): one progress line `[tool] msg` on stdout, flushed; with rank0_only, from rank 0 only
+    (RANK, as torchrun sets it; a process without it is rank 0)."""
+
+    def log(msg: str) -> None:
+        if not rank0_only or int(os.environ.get("RANK", "0")) == 0:
+            print(f"[{tool}] {msg}", flush=True)
+
+    return log
+
+
+def parse_tokens(text: str) -> int:
+    """'4M' -> 4 * 2**20 tokens; also K, G and plain integers.
+
+    Token counts are binary (K = 2**10); byte sizes are not (convert.common.parse_size: 5GB = 5e9, as Hugging Face).
+    """
+    text = text.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)

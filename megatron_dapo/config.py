@@ -86,6 +86,47 @@ class AlgorithmConfig:
     overlong_filter: bool = False
     """Overlong filtering: responses truncated at the length limit are masked out of the loss."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(
+            self.group_size >= 2,
+            "algorithm.group_size",
+            self.group_size,
+            "an integer >= 2 (a group of one has no variance)",
+        )
+        _check(
+            0 <= self.eps_low < 1,
+            "algorithm.eps_low",
+            self.eps_low,
+            "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
+        )
+        _check(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, "a value >= 0")
+        if self.dual_clip_c is not None:
+            _check(
+                self.dual_clip_c > 1,
+                "algorithm.dual_clip_c",
+                self.dual_clip_c,
+                "a value > 1, or null to turn dual clip off",
+            )
+        if self.tis_cap is not None:
+            _check(self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "a value > 0, or null to turn truncated IS off")
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES,
+            "algorithm.loss_agg_mode",
+            self.loss_agg_mode,
+            f"one of {LOSS_AGG_MODES}",
+        )
+        _check(self.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", self.loss_impl, f"one of {LOSS_IMPLS}")
+        _check(self.adv_eps > 0, "algorithm.adv_eps", self.adv_eps, "a value > 0")
+        _check(self.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", self.log_ratio_clamp, "a value > 0")
+        if self.overlong_punishment:
+            _check(
+                self.overlong_penalty_factor >= 0,
+                "algorithm.overlong_penalty_factor",
+                self.overlong_penalty_factor,
+                "a value >= 0",
+            )
+
 
 @dataclass
 class RolloutConfig:
@@ -104,6 +145,17 @@ class RolloutConfig:
     """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
     this many bytes: the memory a sync needs beyond the model is about one bucket plus the
     largest tensor."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(
+            self.max_response_length >= 1, "rollout.max_response_length", self.max_response_length, "an integer >= 1"
+        )
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "a value > 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "a value in (0, 1]")
+        _check(self.bucket_bytes >= 1, "rollout.bucket_bytes", self.bucket_bytes, "an integer >= 1")
+        if self.tp is not None:
+            _check(self.tp >= 1, "rollout.tp", self.tp, "an integer >= 1, or null for parallel.tp")
 
 
 @dataclass
@@ -126,6 +178,12 @@ class DataConfig:
     """Prompts longer than this many tokens after the chat template are dropped and counted."""
     shuffle: bool = True
     """Shuffle prompts every epoch (deterministically from seed and epoch)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.format in DATASET_FORMATS, "data.format", self.format, f"one of {DATASET_FORMATS}")
+        _check(self.on_bad_row in BAD_ROW_POLICIES, "data.on_bad_row", self.on_bad_row, f"one of {BAD_ROW_POLICIES}")
+        _check(self.max_prompt_length >= 1, "data.max_prompt_length", self.max_prompt_length, "an integer >= 1")
 
 
 @dataclass
@@ -187,6 +245,38 @@ class SamplerConfig:
     rewards) returning True to train on it, in place of the informative test (AReaL's dynamic_filter_fn).
     Imported and checked at start-up."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.train_batch_size >= 1, "sampler.train_batch_size", self.train_batch_size, "an integer >= 1")
+        _check(self.gen_batch_size >= 1, "sampler.gen_batch_size", self.gen_batch_size, "an integer >= 1")
+        _check(
+            self.max_gen_batches >= 0, "sampler.max_gen_batches", self.max_gen_batches, "an integer >= 0 (0 = no cap)"
+        )
+        _check(self.mode in SAMPLER_MODES, "sampler.mode", self.mode, f"one of {SAMPLER_MODES}")
+        _check(self.max_staleness >= 0, "sampler.max_staleness", self.max_staleness, "an integer >= 0")
+        _check(self.tick_steps >= 1, "sampler.tick_steps", self.tick_steps, "an integer >= 1")
+        _check(self.stream_margin >= 0, "sampler.stream_margin", self.stream_margin, "a value >= 0")
+        _check(
+            self.on_shortfall in SHORTFALL_POLICIES,
+            "sampler.on_shortfall",
+            self.on_shortfall,
+            f"one of {SHORTFALL_POLICIES}",
+        )
+        _check(
+            1 <= self.min_groups <= self.train_batch_size,
+            "sampler.min_groups",
+            self.min_groups,
+            f"an integer in [1, sampler.train_batch_size={self.train_batch_size}]",
+        )
+        if self.partial_rollout:
+            _check(self.mode == "stream", "sampler.partial_rollout", True, f"sampler.mode=stream (not {self.mode!r})")
+            _check(
+                self.max_staleness >= 1,
+                "sampler.max_staleness",
+                self.max_staleness,
+                "an integer >= 1 with sampler.partial_rollout=true (a paused group is trained a version later)",
+            )
+
 
 @dataclass
 class RewardConfig:
@@ -205,6 +295,18 @@ class RewardConfig:
     counted in reward/timeouts (its worker is killed and replaced)."""
     worker_memory_mb: int = 4096
     """Address-space limit of a scoring process, so one pathological answer cannot eat the node."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(
+            self.verifier in VERIFIER_NAMES or ":" in self.verifier,
+            "reward.verifier",
+            self.verifier,
+            f"one of {VERIFIER_NAMES} or a user function 'package.module:function'",
+        )
+        _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, "an integer >= 1")
+        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "a value > 0")
+        _check(self.worker_memory_mb >= 256, "reward.worker_memory_mb", self.worker_memory_mb, "an integer >= 256")
 
 
 @dataclass
@@ -229,6 +331,14 @@ class OptimConfig:
     mini_batch_size: int = 512
     """Responses per optimizer step: 512 x 16 responses per rollout step give 16 updates."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.lr > 0, "optim.lr", self.lr, "a value > 0")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a value >= 0")
+        _check(self.clip_grad > 0, "optim.clip_grad", self.clip_grad, "a value > 0")
+        _check(self.mini_batch_size >= 1, "optim.mini_batch_size", self.mini_batch_size, "an integer >= 1")
+
 
 @dataclass
 class ModelConfig:
@@ -250,6 +360,19 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU, else local)."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {DTYPES}")
+        if self.fp8 is not None:
+            _check(self.fp8 in FP8_FORMATS, "model.fp8", self.fp8, f"one of {FP8_FORMATS} or null")
+        _check(self.fp8_recipe in FP8_RECIPES, "model.fp8_recipe", self.fp8_recipe, f"one of {FP8_RECIPES}")
+        if self.recompute is not None:
+            _check(self.recompute in RECOMPUTE, "model.recompute", self.recompute, f"one of {RECOMPUTE} or null")
+        _check(
+            self.recompute_num_layers >= 1, "model.recompute_num_layers", self.recompute_num_layers, "an integer >= 1"
+        )
+        _check(self.transformer_impl in IMPLS, "model.transformer_impl", self.transformer_impl, f"one of {IMPLS}")
+
 
 @dataclass
 class ParallelConfig:
@@ -268,6 +391,18 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        for key in ("tp", "pp", "cp"):
+            _check(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key), "an integer >= 1")
+        if self.vpp is not None:
+            _check(
+                self.vpp >= 2 and self.pp >= 2,
+                "parallel.vpp",
+                self.vpp,
+                "an integer >= 2 with parallel.pp >= 2, or null",
+            )
+
 
 @dataclass
 class TrainConfig:
@@ -279,6 +414,15 @@ class TrainConfig:
     packed_sequences: bool = True
     """With Transformer Engine (GPU), pack each micro-batch's sequences into one row (THD
     format, no padding, the budget counts real tokens); otherwise rows are right-padded."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(
+            self.max_tokens_per_microbatch >= 1,
+            "train.max_tokens_per_microbatch",
+            self.max_tokens_per_microbatch,
+            "an integer >= 1",
+        )
 
 
 @dataclass
@@ -305,6 +449,13 @@ class TrainerConfig:
     progress_bar: bool = True
     """Show a progress bar over each generation call on rank 0 (only on a terminal)."""
 
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "an integer >= 1")
+        _check(self.save_every >= 0, "trainer.save_every", self.save_every, "an integer >= 0 (0 = only at the end)")
+        _check(self.keep_last >= 1, "trainer.keep_last", self.keep_last, "an integer >= 1")
+        _check(self.max_nan_in_a_row >= 1, "trainer.max_nan_in_a_row", self.max_nan_in_a_row, "an integer >= 1")
+
 
 @dataclass
 class EvalConfig:
@@ -320,6 +471,17 @@ class EvalConfig:
     """Nucleus sampling for evaluation (the paper: 0.7)."""
     max_response_length: Optional[int] = None
     """Generation limit for evaluation in tokens; null = rollout.max_response_length."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.every >= 0, "eval.every", self.every, "an integer >= 0 (0 = never)")
+        _check(self.k >= 1, "eval.k", self.k, "an integer >= 1")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, "a value >= 0 (0 = greedy)")
+        _check(0 < self.top_p <= 1, "eval.top_p", self.top_p, "a value in (0, 1]")
+        if self.max_response_length is not None:
+            _check(
+                self.max_response_length >= 1, "eval.max_response_length", self.max_response_length, "an integer >= 1"
+            )
 
 
 @dataclass
@@ -352,31 +514,11 @@ class Config:
     """See EvalConfig."""
 
     def validate(self) -> Config:
-        """Raise ConfigError for values that cannot run; return self."""
-        a, r, s = self.algorithm, self.rollout, self.sampler
-        _check(
-            a.group_size >= 2, "algorithm.group_size", a.group_size, "an integer >= 2 (a group of one has no variance)"
-        )
-        _check(
-            0 <= a.eps_low < 1,
-            "algorithm.eps_low",
-            a.eps_low,
-            "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
-        )
-        _check(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "a value >= 0")
-        if a.dual_clip_c is not None:
-            _check(
-                a.dual_clip_c > 1, "algorithm.dual_clip_c", a.dual_clip_c, "a value > 1, or null to turn dual clip off"
-            )
-        if a.tis_cap is not None:
-            _check(a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "a value > 0, or null to turn truncated IS off")
-        _check(
-            a.loss_agg_mode in LOSS_AGG_MODES, "algorithm.loss_agg_mode", a.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
-        )
-        _check(a.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", a.loss_impl, f"one of {LOSS_IMPLS}")
-        _check(a.adv_eps > 0, "algorithm.adv_eps", a.adv_eps, "a value > 0")
-        _check(a.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", a.log_ratio_clamp, "a value > 0")
-        _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, "an integer >= 1")
+        """Each section checks its own fields; here only the checks that span sections. Return self."""
+        for f in dataclasses.fields(self):
+            if dataclasses.is_dataclass(section := getattr(self, f.name)):
+                section.validate()
+        a, r, s, o = self.algorithm, self.rollout, self.sampler, self.optim
         if a.overlong_punishment:
             _check(
                 1 <= a.overlong_buffer_len <= r.max_response_length,
@@ -384,57 +526,13 @@ class Config:
                 a.overlong_buffer_len,
                 f"an integer in [1, rollout.max_response_length={r.max_response_length}]",
             )
-            _check(
-                a.overlong_penalty_factor >= 0,
-                "algorithm.overlong_penalty_factor",
-                a.overlong_penalty_factor,
-                "a value >= 0",
-            )
-        _check(r.temperature > 0, "rollout.temperature", r.temperature, "a value > 0")
-        _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
-        _check(r.bucket_bytes >= 1, "rollout.bucket_bytes", r.bucket_bytes, "an integer >= 1")
-        if r.tp is not None:
-            _check(r.tp >= 1, "rollout.tp", r.tp, "an integer >= 1, or null for parallel.tp")
-        _check(self.data.format in DATASET_FORMATS, "data.format", self.data.format, f"one of {DATASET_FORMATS}")
-        _check(
-            self.data.on_bad_row in BAD_ROW_POLICIES,
-            "data.on_bad_row",
-            self.data.on_bad_row,
-            f"one of {BAD_ROW_POLICIES}",
-        )
-        _check(
-            self.data.max_prompt_length >= 1, "data.max_prompt_length", self.data.max_prompt_length, "an integer >= 1"
-        )
-        _check(s.train_batch_size >= 1, "sampler.train_batch_size", s.train_batch_size, "an integer >= 1")
-        _check(s.gen_batch_size >= 1, "sampler.gen_batch_size", s.gen_batch_size, "an integer >= 1")
-        _check(s.max_gen_batches >= 0, "sampler.max_gen_batches", s.max_gen_batches, "an integer >= 0 (0 = no cap)")
-        _check(s.mode in SAMPLER_MODES, "sampler.mode", s.mode, f"one of {SAMPLER_MODES}")
-        _check(s.max_staleness >= 0, "sampler.max_staleness", s.max_staleness, "an integer >= 0")
         _check(
             s.engine_sequences >= a.group_size,
             "sampler.engine_sequences",
             s.engine_sequences,
             f"at least algorithm.group_size={a.group_size} (an engine takes whole groups)",
         )
-        _check(s.tick_steps >= 1, "sampler.tick_steps", s.tick_steps, "an integer >= 1")
-        _check(s.stream_margin >= 0, "sampler.stream_margin", s.stream_margin, "a value >= 0")
-        _check(
-            s.on_shortfall in SHORTFALL_POLICIES, "sampler.on_shortfall", s.on_shortfall, f"one of {SHORTFALL_POLICIES}"
-        )
-        _check(
-            1 <= s.min_groups <= s.train_batch_size,
-            "sampler.min_groups",
-            s.min_groups,
-            f"an integer in [1, sampler.train_batch_size={s.train_batch_size}]",
-        )
         if s.partial_rollout:
-            _check(s.mode == "stream", "sampler.partial_rollout", True, f"sampler.mode=stream (not {s.mode!r})")
-            _check(
-                s.max_staleness >= 1,
-                "sampler.max_staleness",
-                s.max_staleness,
-                "an integer >= 1 with sampler.partial_rollout=true (a paused group is trained a version later)",
-            )
             _check(
                 a.tis_cap is not None,
                 "algorithm.tis_cap",
@@ -442,60 +540,7 @@ class Config:
                 "a cap (e.g. 2.0) with sampler.partial_rollout=true: tokens sampled by an older policy are "
                 "weighted by truncated importance sampling",
             )
-        _check(
-            self.reward.verifier in VERIFIER_NAMES or ":" in self.reward.verifier,
-            "reward.verifier",
-            self.reward.verifier,
-            f"one of {VERIFIER_NAMES} or a user function 'package.module:function'",
-        )
-        _check(self.reward.num_workers >= 1, "reward.num_workers", self.reward.num_workers, "an integer >= 1")
-        _check(self.reward.timeout_s > 0, "reward.timeout_s", self.reward.timeout_s, "a value > 0")
-        _check(
-            self.reward.worker_memory_mb >= 256,
-            "reward.worker_memory_mb",
-            self.reward.worker_memory_mb,
-            "an integer >= 256",
-        )
-        o = self.optim
-        _check(o.lr > 0, "optim.lr", o.lr, "a value > 0")
-        _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
-        _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a value >= 0")
-        _check(o.clip_grad > 0, "optim.clip_grad", o.clip_grad, "a value > 0")
-        _check(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "an integer >= 1")
-        m, par = self.model, self.parallel
-        _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {DTYPES}")
-        if m.fp8 is not None:
-            _check(m.fp8 in FP8_FORMATS, "model.fp8", m.fp8, f"one of {FP8_FORMATS} or null")
-        _check(m.fp8_recipe in FP8_RECIPES, "model.fp8_recipe", m.fp8_recipe, f"one of {FP8_RECIPES}")
-        if m.recompute is not None:
-            _check(m.recompute in RECOMPUTE, "model.recompute", m.recompute, f"one of {RECOMPUTE} or null")
-        _check(m.recompute_num_layers >= 1, "model.recompute_num_layers", m.recompute_num_layers, "an integer >= 1")
-        _check(m.transformer_impl in IMPLS, "model.transformer_impl", m.transformer_impl, f"one of {IMPLS}")
-        for key in ("tp", "pp", "cp"):
-            _check(getattr(par, key) >= 1, f"parallel.{key}", getattr(par, key), "an integer >= 1")
-        if par.vpp is not None:
-            _check(
-                par.vpp >= 2 and par.pp >= 2, "parallel.vpp", par.vpp, "an integer >= 2 with parallel.pp >= 2, or null"
-            )
-        _check(
-            self.train.max_tokens_per_microbatch >= 1,
-            "train.max_tokens_per_microbatch",
-            self.train.max_tokens_per_microbatch,
-            "an integer >= 1",
-        )
-        t = self.trainer
-        _check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "an integer >= 1")
-        _check(t.save_every >= 0, "trainer.save_every", t.save_every, "an integer >= 0 (0 = only at the end)")
-        _check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "an integer >= 1")
-        _check(t.max_nan_in_a_row >= 1, "trainer.max_nan_in_a_row", t.max_nan_in_a_row, "an integer >= 1")
-        e = self.eval
-        _check(e.every >= 0, "eval.every", e.every, "an integer >= 0 (0 = never)")
-        _check(e.k >= 1, "eval.k", e.k, "an integer >= 1")
-        _check(e.temperature >= 0, "eval.temperature", e.temperature, "a value >= 0 (0 = greedy)")
-        _check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "a value in (0, 1]")
-        if e.max_response_length is not None:
-            _check(e.max_response_length >= 1, "eval.max_response_length", e.max_response_length, "an integer >= 1")
-        if e.every:
+        if self.eval.every:
             _check(
                 bool(self.data.val_files),
                 "data.val_files",

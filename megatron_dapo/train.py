@@ -144,13 +144,11 @@ def train(config: str | None, overrides: list[str]) -> None:
         stop.running = True
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
-            e = cfg.eval.every
-            if e and (trainer.step % e == 0 or trainer.step == cfg.trainer.total_steps):
+            if trainer.eval_due():
                 metrics.update(trainer.evaluate_from_config())
             if rank0:
                 print(progress_line(metrics), flush=True)
             sinks.write(metrics)
-            every = cfg.trainer.save_every
             # stop together: a signal that reached only some ranks must not leave the others waiting
             flag = torch.tensor([1.0 if stop.name else 0.0], device=trainer.layout.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -160,7 +158,7 @@ def train(config: str | None, overrides: list[str]) -> None:
                 if rank0:
                     print(f"{stop.name or 'stop'}: saved {path} at step {trainer.step}; exiting", flush=True)
                 return
-            if (every and trainer.step % every == 0) or trainer.step == cfg.trainer.total_steps:
+            if trainer.save_due():
                 trainer.save()
         if rank0:  # tells a requeueing batch script the run is done
             (Path(cfg.trainer.run_dir) / "FINISHED").write_text(f"{trainer.step}\n")

@@ -23,21 +23,22 @@ rank's bridge streams the full weights into its own engine.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import group_advantages
+from megatron_dapo.algorithm import group_advantages, overlong_filter_mask
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
 from megatron_dapo.data.exchange import Comm, SampleId, deliver
-from megatron_dapo.data.scheduler import GroupMeta
+from megatron_dapo.data.records import GroupMeta
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.reward import RewardBatch
+from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.timing import PhaseTimer
 from megatron_dapo.types import Prompt, Response
 
 log = logging.getLogger("megatron_dapo.trainer")
@@ -60,6 +61,8 @@ def train_samples(
         return []
     by_key = {g.key: i for i, g in enumerate(batch)}
     advantages = group_advantages(torch.tensor([g.rewards for g in batch], dtype=torch.float64), eps=adv_eps)
+    truncated = torch.tensor([g.truncated for g in batch], dtype=torch.bool)
+    in_loss = overlong_filter_mask(truncated) if overlong_filter else torch.ones_like(truncated)
     samples = []
     for key, j in ids:
         g, r = batch[by_key[key]], responses[(key, j)]
@@ -69,7 +72,7 @@ def train_samples(
                 response_ids=list(r.token_ids),
                 advantage=float(advantages[by_key[key], j]),
                 rollout_logp=None if r.logprobs is None else torch.tensor(r.logprobs, dtype=torch.float32),
-                in_loss=not (overlong_filter and g.truncated[j]),
+                in_loss=bool(in_loss[by_key[key], j]),
             )
         )
     return samples
@@ -132,13 +135,14 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_dapo.convert.checkpoint_io import LazyMegatronWeights, SafetensorsReader
+        from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, SafetensorsReader
         from megatron_dapo.data.datasets import PromptDataset
         from megatron_dapo.model.arch import ModelArch
         from megatron_dapo.model.parallel import init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.reward import RewardPool
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine, rollout_tp
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.rollout.vllm_env import rollout_tp
         from megatron_dapo.rollout.weight_bridge import WeightBridge
 
         if not cfg.model.hf_path:
@@ -159,12 +163,8 @@ class Trainer:
         self.pool = RewardPool.from_config(cfg.reward)
         self.scorer = ShardedScorer(self.pool)  # evaluation; training rollouts are scored by their engine's rank
         self.comm = Comm(self.layout.device)
-        from megatron.core import parallel_state
-
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
-        self.dp_rank_of = [
-            int(r) for r in self.comm.max(_one_hot(self.layout, parallel_state.get_data_parallel_rank()))
-        ]
+        self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
         self.loader = DynamicSamplingLoader.from_config(
             cfg,
             self.dataset,
@@ -185,9 +185,7 @@ class Trainer:
             state = self.checkpoints.load(self.policy)
             if state is not None:
                 self.step = state["step"]
-                saved = state["trainer"]
-                self.gen_rounds, self.nan_in_a_row = saved["gen_rounds"], saved["nan_in_a_row"]
-                self.loader.load_state_dict(saved["loader"])
+                self.load_state_dict(state["trainer"])
                 if self.layout.rank == 0:
                     log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
         self.bridge.sync(self.engine)  # the engine started from dummy weights
@@ -230,11 +228,9 @@ class Trainer:
 
     def _samples(self, batch) -> tuple[list[list[TrainSample]], float]:
         """This rank's TrainSamples per mini-batch, its responses fetched from their engines' ranks; bytes sent."""
-        from megatron.core import parallel_state
-
         size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
         per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
-        mine = per_dp[parallel_state.get_data_parallel_rank()]
+        mine = per_dp[self.layout.dp_rank]
         responses, sent = deliver(
             self.comm,
             batch.groups,
@@ -250,11 +246,10 @@ class Trainer:
 
     def _mean_mismatch(self, mismatch: list[torch.Tensor]) -> float:
         """Mean |rollout logp - old logp| over the step's tokens on every rank (each DP rank's slice counted once)."""
-        from megatron.core import parallel_state
-
         total = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
-        tp_rank, cp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank()
-        if mismatch and tp_rank == 0 and cp_rank == 0:  # the last stage's TP and CP ranks hold the same logprobs
+        if (
+            mismatch and self.layout.tp_rank == 0 and self.layout.cp_rank == 0
+        ):  # the last stage's TP and CP ranks hold the same logprobs
             diffs = torch.cat(mismatch).double()
             total[0], total[1] = diffs.sum(), diffs.numel()
         dist.all_reduce(total)
@@ -262,45 +257,42 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        batch = self.loader.next_batch()
-        self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
-        self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
-        t_gen = time.perf_counter() - t0
+        cfg, timer = self.cfg, PhaseTimer()
+        with timer.phase("generate"):
+            batch = self.loader.next_batch()
+            self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
+            self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         mini_batches, bytes_moved = self._samples(batch)
         temperature = cfg.rollout.temperature
-        t1 = time.perf_counter()
-        mine = [s for mb in mini_batches for s in mb]
-        old = self.policy.compute_logprobs(mine, temperature)
-        mismatch = []
-        if old is not None:
-            for s, lp in zip(mine, old):
-                s.old_logp = lp["logp"]
-                if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
-                    mismatch.append((s.rollout_logp - lp["logp"]).abs())
-        mismatch_mean = self._mean_mismatch(mismatch)
-        t_old = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
-        skipped = sum(1 for m in per_update if not m["actor/update_applied"])
-        self.nan_in_a_row = self.nan_in_a_row + 1 if skipped else 0
-        if self.nan_in_a_row >= cfg.trainer.max_nan_in_a_row:
-            raise FloatingPointError(
-                f"step {self.step + 1}: the loss was not finite in {self.nan_in_a_row} rollout steps in a row "
-                f"(trainer.max_nan_in_a_row={cfg.trainer.max_nan_in_a_row}); the last good checkpoint is in "
-                f"{self.checkpoints.root}"
-            )
-        t_train = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        sync = self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
-        self.engine.wake()  # and its KV cache for the next rollout
-        t_sync = time.perf_counter() - t3
+        with timer.phase("old_logp"):
+            mine = [s for mb in mini_batches for s in mb]
+            old = self.policy.compute_logprobs(mine, temperature)
+            mismatch = []
+            if old is not None:
+                for s, lp in zip(mine, old):
+                    s.old_logp = lp["logp"]
+                    if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
+                        mismatch.append((s.rollout_logp - lp["logp"]).abs())
+            mismatch_mean = self._mean_mismatch(mismatch)
+        with timer.phase("train"):
+            per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
+            skipped = sum(1 for m in per_update if not m["actor/update_applied"])
+            self.nan_in_a_row = self.nan_in_a_row + 1 if skipped else 0
+            if self.nan_in_a_row >= cfg.trainer.max_nan_in_a_row:
+                raise FloatingPointError(
+                    f"step {self.step + 1}: the loss was not finite in {self.nan_in_a_row} rollout steps in a row "
+                    f"(trainer.max_nan_in_a_row={cfg.trainer.max_nan_in_a_row}); the last good checkpoint is in "
+                    f"{self.checkpoints.root}"
+                )
+        with timer.phase("sync"):
+            sync = self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
+            self.engine.wake()  # and its KV cache for the next rollout
         self.step += 1
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
         metrics.update(sync)
         tokens = sum(g.tokens for g in batch.groups)
-        elapsed = time.perf_counter() - t0
+        elapsed = timer.elapsed()
         metrics.update(
             {
                 "step": float(self.step),
@@ -311,10 +303,7 @@ class Trainer:
                 "rollout/logp_mismatch_mean": mismatch_mean,
                 "sampler/bytes_moved": bytes_moved,
                 "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "timing/generate": t_gen,
-                "timing/old_logp": t_old,
-                "timing/train": t_train,
-                "timing/sync": t_sync,
+                **{f"timing/{name}": seconds for name, seconds in timer.seconds.items()},
                 "timing/step": elapsed,
             }
         )
@@ -339,18 +328,9 @@ class Trainer:
         # seed: the same samples for the same weights, so curves compare step to step
         max_tokens = max_tokens or self.cfg.rollout.max_response_length
         outputs = self._generate(prompts, k, self.cfg.seed, temperature, top_p, max_tokens)
-        scored = self.scorer.score(
-            [r.text for group in outputs for r in group],
-            [p.ground_truth for p in prompts for _ in range(k)],
-            [p.data_source for p in prompts for _ in range(k)],
-        )
-        correct = torch.tensor(scored.acc, dtype=torch.float64).view(len(prompts), k)
-        return {
-            "eval/avg_at_k": float(correct.mean()),
-            "eval/pass_at_k": float((correct > 0).any(dim=1).double().mean()),
-            "eval/k": float(k),
-            "eval/problems": float(len(prompts)),
-        }
+        scored = score_samples(self.scorer, prompts, outputs)
+        correct = [scored.acc[i * k : (i + 1) * k] for i in range(len(prompts))]
+        return {f"eval/{name}": value for name, value in accuracy_at_k(correct).items()}
 
     def evaluate_from_config(self) -> dict[str, float]:
         """evaluate() on data.val_files with the eval section's k, temperature, top_p and length."""
@@ -361,13 +341,28 @@ class Trainer:
         e = self.cfg.eval
         return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, e.max_response_length)
 
+    # ---------------------------------------------------------------- checkpoints and cadence
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds beside the model and optimizer (the step is the checkpoint's own)."""
+        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
+        self.loader.load_state_dict(state["loader"])
+
     def save(self) -> Path:
-        state = {
-            "gen_rounds": self.gen_rounds,
-            "nan_in_a_row": self.nan_in_a_row,
-            "loader": self.loader.state_dict(),
-        }
-        return self.checkpoints.save(self.policy, self.step, state)
+        return self.checkpoints.save(self.policy, self.step, self.state_dict())
+
+    def eval_due(self) -> bool:
+        """Every eval.every steps and at the last step; never when eval.every is 0."""
+        every, last = self.cfg.eval.every, self.step == self.cfg.trainer.total_steps
+        return bool(every) and (self.step % every == 0 or last)
+
+    def save_due(self) -> bool:
+        """Every trainer.save_every steps and always at the last step (save_every 0: only there)."""
+        every, last = self.cfg.trainer.save_every, self.step == self.cfg.trainer.total_steps
+        return (bool(every) and self.step % every == 0) or last
 
     def close(self) -> None:
         """The last call: the engine's shutdown takes torch.distributed's world with it. Safe on a half-built trainer."""

@@ -91,8 +91,8 @@ def _training_worker(argv: list[str]) -> None:
 
     from megatron_dapo.checkpoint import CheckpointManager
     from megatron_dapo.config import load_config, to_yaml
-    from megatron_dapo.convert.checkpoint_io import SafetensorsReader
     from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
+    from megatron_dapo.convert.safetensors_io import SafetensorsReader
     from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy, TrainSample
@@ -140,7 +140,7 @@ def _worker() -> None:
     import torch
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.convert.checkpoint_io import load_megatron_checkpoint
+    from megatron_dapo.convert.megatron_io import load_megatron_checkpoint
     from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.provider import build_model_chunks

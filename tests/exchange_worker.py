@@ -8,7 +8,7 @@ import sys
 import torch.distributed as dist
 
 from megatron_dapo.data.exchange import Comm, deliver, gather_metas, gather_stopped
-from megatron_dapo.data.scheduler import GroupMeta, Stopped
+from megatron_dapo.data.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
 G = 3

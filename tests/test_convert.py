@@ -18,14 +18,9 @@ import torch
 from convert_helpers import megatron_logits, run_all_ok, run_tool, training_checkpoint
 from megatron_helpers import tiny_hf_model
 
-from megatron_dapo.convert.checkpoint_io import (
-    ConvertError,
-    SafetensorsReader,
-    ShardWriter,
-    parse_size,
-    resolve_megatron_checkpoint,
-    training_step_dir,
-)
+from megatron_dapo.convert.common import ConvertError, parse_size
+from megatron_dapo.convert.resolve import resolve_megatron_checkpoint, training_step_dir
+from megatron_dapo.convert.safetensors_io import SafetensorsReader, ShardWriter
 
 FAMILIES = {
     "qwen2": dict(seed=0, vocab_size=250, tied=False, shard=None),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,11 @@ pytest.importorskip("vllm")
 from convert_helpers import run_ok, run_tool  # noqa: E402
 from rollout_helpers import hf_greedy, load_hf_model  # noqa: E402
 
+import megatron_dapo.evaluate as eval_tool  # noqa: E402
+from megatron_dapo import hf_export  # noqa: E402
 from megatron_dapo.config import load_config, to_yaml  # noqa: E402
-from megatron_dapo.convert.checkpoint_io import ConvertError  # noqa: E402
+from megatron_dapo.convert.common import ConvertError  # noqa: E402
 from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
-
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))  # the tools import each other as top-level modules, as when run as scripts
-
-import eval as eval_tool  # noqa: E402
 
 QUESTIONS = ["What is 12 + 30?", "Compute 7 * 6.", "Add 5 and 9.", "What is 3 * 4?", "Is 7 prime?", "Halve 18."]
 RIGHT = (0, 2, 3)  # these problems' ground truth is taken from the greedy text: the rest can never match
@@ -103,7 +99,7 @@ def test_greedy_accuracy_is_what_transformers_generates(model_dir, problems, wor
     summary = evaluate(
         "--model", str(model_dir), "--data", str(path), "--k", "1", "--temperature", "0", "--out", str(out)
     )
-    assert summary["avg@1"] == summary["pass@1"] == expected
+    assert summary["avg_at_k"] == summary["pass_at_k"] == expected
     assert summary["problems"] == summary["responses"] == len(QUESTIONS)
     records = read_jsonl(out)
     assert [r["index"] for r in records] == list(range(len(QUESTIONS)))
@@ -127,7 +123,9 @@ def test_sampled_avg_and_pass_at_k_recomputed_from_the_responses(sampled, proble
     avg = sum(sum(c) for c in per_problem) / (4 * len(per_problem))
     pass_k = sum(any(c) for c in per_problem) / len(per_problem)
     assert 0 < avg < pass_k < 1  # some samples right, some problems never; a passing one has a wrong sample too
-    assert summary["avg@4"] == pytest.approx(avg, abs=1e-12) and summary["pass@4"] == pytest.approx(pass_k, abs=1e-12)
+    assert summary["avg_at_k"] == pytest.approx(avg, abs=1e-12) and summary["pass_at_k"] == pytest.approx(
+        pass_k, abs=1e-12
+    )
     assert summary["responses"] == 4 * len(QUESTIONS)
     assert len({t for r in records for t in r["responses"]}) > len(QUESTIONS)  # samples differ, not k copies
 
@@ -153,7 +151,9 @@ def test_megatron_checkpoint_from_parquet_gives_the_same_results(megatron_ckpt, 
     # the same samples whatever the batching (problem i, sample j: seed + i*k + j)
     assert read_jsonl(out) == read_jsonl(sampled[1])
     summary = sampled[0]
-    assert f"avg@4 {summary['avg@4']:.4f} | pass@4 {summary['pass@4']:.4f} | 6 problems, 24 responses" in proc.stdout
+    assert (
+        f"avg@4 {summary['avg_at_k']:.4f} | pass@4 {summary['pass_at_k']:.4f} | 6 problems, 24 responses" in proc.stdout
+    )
 
 
 def test_a_training_checkpoint_goes_to_the_converter_with_its_hf_files(model_dir, megatron_ckpt, work, monkeypatch):
@@ -171,11 +171,10 @@ def test_a_training_checkpoint_goes_to_the_converter_with_its_hf_files(model_dir
     assert eval_tool.find_model(str(step), str(model_dir)) == ("training", step, model_dir)
 
     calls = []
-    monkeypatch.setattr(eval_tool.convert_megatron_to_hf, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(hf_export, "main", lambda argv: calls.append(argv) or 0)
     assert eval_tool.to_hf("training", step, model_dir, work / "tmp") == work / "tmp" / "hf"
     assert calls == [["--megatron", str(step), "--hf-config", str(model_dir), "--out", str(work / "tmp" / "hf")]]
-    converter = eval_tool.convert_megatron_to_hf
-    source, _ = converter.validate(converter.parse_args(calls[0]))  # what the conversion then reads
+    source, _ = hf_export.validate(hf_export.parse_args(calls[0]))  # what the conversion then reads
     assert (source.step, source.dist_dir, source.hf_dir, source.dtype) == (step, step / "dist", model_dir, "fp32")
 
     (run / "config.yaml").unlink()  # no run config and no --hf-config: the converter's message

@@ -13,10 +13,11 @@ import torch
 from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
 from megatron_dapo.model.arch import ArchError, ModelArch
 from megatron_dapo.model.parallel import LayoutError, check_layout
 from megatron_dapo.model.policy import TrainSample, collate, cp_slice, cp_unslice, pack_microbatches
+from megatron_dapo.model.sharding import tp_shard, tp_unshard
 
 VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not count
 

@@ -1,5 +1,5 @@
 """tools/preflight.py's CPU subset end to end, how it reports a failing check, and tools/stage_gpu_wheels.py's
-pieces, manifest and reassembly on synthetic files (no network)."""
+pieces, manifest and reassembly on synthetic files (no network); their code is in megatron_dapo/preflight/."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))  # the tools import each other as top-level modules, as when run as scripts
+from megatron_dapo.preflight import run as preflight
+from megatron_dapo.preflight import staging
+from megatron_dapo.preflight.pieces import plan_pieces, reassemble, write_pieces
 
-import preflight  # noqa: E402
-import stage_gpu_wheels as stage  # noqa: E402
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge")
 GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "te")
@@ -90,7 +90,7 @@ def test_staging_splits_checks_and_reassembles_files_exactly(tmp_path, capsys):
         (src / name).write_bytes(bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist()))
         files.append(src / name)
     out = tmp_path / "gpu_stage"
-    manifest = stage.write_pieces(src, out, files, 1000, {"present": {}, "projects": {}})
+    manifest = write_pieces(src, out, files, 1000, {"present": {}, "projects": {}})
     assert manifest == json.loads((out / "manifest.json").read_text())
     # every piece within the limit; the big file in byte ranges, the small ones whole, nothing lost
     assert all(sum(p.stat().st_size for p in (out / piece).iterdir()) <= 1000 for piece in manifest["pieces"])
@@ -104,22 +104,22 @@ def test_staging_splits_checks_and_reassembles_files_exactly(tmp_path, capsys):
     damaged = out / "part_04" / next(iter(os.listdir(out / "part_04")))
     good = damaged.read_bytes()
     damaged.write_bytes(b"x" + good[1:])
-    assert stage.main(["--out", str(out), "receive", str(out / "part_04")]) == 1
+    assert staging.main(["--out", str(out), "receive", str(out / "part_04")]) == 1
     assert "sha256 differs" in capsys.readouterr().out
     damaged.write_bytes(good)
     for piece in ("part_03", "part_01", "part_04"):
-        assert stage.main(["--out", str(out), "receive", str(out / piece)]) == 0
+        assert staging.main(["--out", str(out), "receive", str(out / piece)]) == 0
     assert "received 3/4 pieces; missing part_02" in capsys.readouterr().out
-    assert stage.main(["--out", str(out), "install", "--target", str(tmp_path / "site")]) == 2
+    assert staging.main(["--out", str(out), "install", "--target", str(tmp_path / "site")]) == 2
     assert "missing pieces part_02" in capsys.readouterr().out
-    assert stage.main(["--out", str(out), "receive", str(out / "part_02")]) == 0
-    rebuilt = stage.reassemble(manifest, lambda c: out / "recv" / c["file"], tmp_path / "rx")
+    assert staging.main(["--out", str(out), "receive", str(out / "part_02")]) == 0
+    rebuilt = reassemble(manifest, lambda c: out / "recv" / c["file"], tmp_path / "rx")
     assert {p.name: _sha(p) for p in rebuilt} == {f.name: _sha(f) for f in files}
 
 
 def test_device_calls_fit_the_device_limits():
     manifest = {"pieces": {f"part_{i:02d}": {} for i in range(1, 7)}}
-    calls = stage.device_calls(manifest, "gpu_stage")
+    calls = staging.device_calls(manifest, "gpu_stage")
     assert len(calls) == 7  # one per piece, the last one installing and starting the preflight, then the rest
     assert all(len(c["command"]) <= 2000 and len(c.get("carry", [])) <= 8 for c in calls)
     assert [c["carry"][0] for c in calls[:-1]] == [f"gpu_stage/part_{i:02d}" for i in range(1, 7)]
@@ -130,8 +130,8 @@ def test_device_calls_fit_the_device_limits():
 
 def test_plan_pieces_is_deterministic_and_never_exceeds_a_piece():
     files = [("a", 10), ("b", 35), ("c", 7), ("d", 0), ("e", 21)]
-    plan = stage.plan_pieces(files, 16)
-    assert plan == stage.plan_pieces(list(reversed(files)), 16)
+    plan = plan_pieces(files, 16)
+    assert plan == plan_pieces(list(reversed(files)), 16)
     assert all(sum(size for _, _, size in piece) <= 16 for piece in plan)
     covered = {}
     for piece in plan:

@@ -10,13 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-# The pool's spawned workers inherit sys.path, so they import the user verifiers in tests/reward_helpers.py.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-
+# pytest puts tests/ on sys.path and spawned pool workers inherit it: they import tests/reward_helpers.py.
 from megatron_dapo.config import RewardConfig  # noqa: E402
 from megatron_dapo.reward import (  # noqa: E402
     RewardBatch,
@@ -346,7 +343,11 @@ def test_pool_workers_do_not_rerun_main_script_or_import_torch(tmp_path):
     script.write_text(_MAIN_SCRIPT)
     env = {**os.environ, "REWARD_TEST_MARK": str(mark)}
     proc = subprocess.run(
-        [sys.executable, str(script), _TESTS_DIR], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, str(script), str(Path(__file__).resolve().parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['ok'] [False]"  # torch_loaded: acc False means no torch in the worker
@@ -407,3 +408,33 @@ def test_pool_workers_outlive_the_stop_signals():
         assert all(w.proc.is_alive() for w in pool._workers)
         batch = pool.score(["a", "b", "c"], ["a", "x", "c"], ["src"] * 3)
         assert batch.status == ["ok"] * 3 and batch.scores == [1.0, -1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- avg@k and pass@k
+
+
+@pytest.mark.parametrize("problems,k", [(1, 1), (7, 1), (13, 4), (50, 32)])
+def test_accuracy_at_k_against_float64_reference(problems, k):
+    from megatron_dapo.reward.accuracy import accuracy_at_k
+
+    rng = random.Random(problems * 100 + k)
+    p_right = [rng.random() for _ in range(problems)]
+    correct = [[rng.random() < p for _ in range(k)] for p in p_right]
+    correct[0] = [False] * k  # a problem never solved counts for neither
+    avg = np.mean(np.array(correct, dtype=np.float64))
+    pass_k = np.mean(np.array([any(row) for row in correct], dtype=np.float64))
+    got = accuracy_at_k(correct)
+    assert got == {"avg_at_k": avg, "pass_at_k": pass_k, "k": float(k), "problems": float(problems)}
+    assert accuracy_at_k([[True] * k] * problems)["avg_at_k"] == 1.0
+    assert accuracy_at_k([[False] * k] * problems)["pass_at_k"] == 0.0
+
+
+def test_accuracy_at_k_rejects_no_problems_and_ragged_k():
+    from megatron_dapo.reward.accuracy import accuracy_at_k
+
+    with pytest.raises(ValueError, match="no problems"):
+        accuracy_at_k([])
+    with pytest.raises(ValueError, match=r"same k >= 1 samples, got \[2, 1\]"):
+        accuracy_at_k([[True, False], [True]])
+    with pytest.raises(ValueError, match="same k >= 1"):
+        accuracy_at_k([[]])

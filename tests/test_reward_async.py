@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
-# The pool's spawned workers inherit sys.path, so they import the user verifiers in tests/reward_helpers.py.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-
+# pytest puts tests/ on sys.path and spawned pool workers inherit it: they import tests/reward_helpers.py.
 from megatron_dapo.reward import RewardBatch, RewardPool  # noqa: E402
 
 DEADLINE_S = 120.0

@@ -1,20 +1,16 @@
-"""Adversarial responses: every verifier through the real RewardPool (tools/fuzz_reward.py), the hybrid in-process."""
+"""Adversarial responses: every verifier through the real RewardPool (megatron_dapo/reward/fuzz.py, which
+tools/fuzz_reward.py runs), the hybrid in-process."""
 
 from __future__ import annotations
 
 import logging
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import fuzz_reward  # noqa: E402
-
-from megatron_dapo.reward import hybrid_verify  # noqa: E402
+from megatron_dapo.reward import fuzz as fuzz_reward
+from megatron_dapo.reward import hybrid_verify
 
 N_FUZZ = 20 * len(fuzz_reward.GENERATORS)
 """20 responses per generator: a seeded subset of what `python tools/fuzz_reward.py` runs."""

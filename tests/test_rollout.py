@@ -298,7 +298,7 @@ class FakeLLM:
 def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model, prompts, monkeypatch):
     import megatron_dapo.rollout.vllm_engine as ve
 
-    monkeypatch.setattr(ve, "_has_cuda", lambda: True)
+    monkeypatch.setattr(ve, "has_cuda", lambda: True)
     monkeypatch.setattr(ve.VLLMEngine, "_start", lambda self, **kw: FakeLLM())
     eng = ve.VLLMEngine(str(model_dir))
     assert eng.enable_sleep_mode and eng.on_gpu

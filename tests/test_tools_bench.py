@@ -1,4 +1,5 @@
-"""tools/estimate_step_time.py against its formulas worked by hand; tools/bench_throughput.py end to end on CPU."""
+"""tools/estimate_step_time.py (megatron_dapo/data/step_time.py) against its formulas worked by hand;
+tools/bench_throughput.py end to end on CPU."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))  # the tools import each other as top-level modules, as when run as scripts
+from megatron_dapo.data import step_time as est
 
-import estimate_step_time as est  # noqa: E402
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 SMALL = est.StepInputs(
     flops_per_token=6e9,
@@ -170,8 +170,7 @@ def _bench(tmp_path: Path, *args: str, prelude: str = "") -> dict:
     out = tmp_path / "bench.json"
     argv = [str(TOOLS / "bench_throughput.py"), *args, "--json", str(out)]
     code = "\n".join(
-        ["import runpy, sys", prelude, f"sys.path.insert(0, {str(TOOLS)!r})", f"sys.argv = {argv!r}"]
-        + ["runpy.run_path(sys.argv[0], run_name='__main__')"]
+        ["import runpy, sys", prelude, f"sys.argv = {argv!r}", "runpy.run_path(sys.argv[0], run_name='__main__')"]
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

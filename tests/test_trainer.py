@@ -16,7 +16,7 @@ import torch
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.data.scheduler import GroupMeta
+from megatron_dapo.data.records import GroupMeta
 from megatron_dapo.model.tiny import build_tiny_qwen2
 from megatron_dapo.trainer import minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
@@ -73,6 +73,23 @@ def test_minibatch_ids_split_each_minibatch_evenly_over_data_parallel_ranks():
     # every response trained exactly once over the ranks
     got = sorted(sid for r in range(3) for mb in minibatch_ids(batch, 6, 3, r) for sid in mb)
     assert got == sorted(flat)
+
+
+def test_eval_and_save_cadence():
+    """eval.every=N: steps N, 2N, ... and the last (0: never); trainer.save_every=N: the same, but 0 saves at the end."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.config import Config
+    from megatron_dapo.trainer import Trainer
+
+    for every in range(4):
+        cfg = Config()
+        cfg.eval.every, cfg.trainer.save_every, cfg.trainer.total_steps = every, every, 7
+        evals = [t for t in range(1, 8) if Trainer.eval_due(SimpleNamespace(cfg=cfg, step=t))]
+        saves = [t for t in range(1, 8) if Trainer.save_due(SimpleNamespace(cfg=cfg, step=t))]
+        expected = sorted({*range(every, 8, every), 7}) if every else []
+        assert evals == expected
+        assert saves == (expected or [7])
 
 
 def test_layouts_the_rollout_or_the_data_parallel_split_cannot_use_are_refused():
@@ -382,6 +399,9 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
     assert sum(m["sampler/bytes_moved"] for m in lines) > 0
     busy = [m["timing/engine_busy_frac"] for m in lines]
     assert all(0 <= b <= 1 for b in busy) and max(busy) > 0  # a step served from the carry generates nothing
+    for m in lines:  # the phases are timed apart and within the step
+        phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
+        assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
 
 
 def _session_survivors(sid: int) -> list[str]:

@@ -9,7 +9,7 @@
     python tools/bench_sampler.py --part sim --regimes late --p 0.5 --engine-sequences 256
     python tools/bench_sampler.py --part sim --regimes late --p 0.25 0.5 --stream-margin 0
 
---part sim: the paper-scale discrete-event model of megatron_dapo/rollout/simulator.py (its docstring
+--part sim: the paper-scale discrete-event model of megatron_dapo/data/sim/ (its docstrings
 and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 engines of Qwen2.5-32B
 at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler deciding. Prints the
 calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
@@ -42,16 +42,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_dapo.rollout.simulator import (
-    QWEN25_32B,
-    SYNC_S,
-    EngineModel,
-    Workload,
-    cpu_form_fit,
-    fit_h100_calibration,
-    paper_rows,
-    simulate,
-)
+from megatron_dapo.data.sim.calibration import cpu_form_fit, fit_h100_calibration
+from megatron_dapo.data.sim.driver import SYNC_S, paper_rows, simulate
+from megatron_dapo.data.sim.engines import EngineModel
+from megatron_dapo.data.sim.hardware import QWEN25_32B
+from megatron_dapo.data.sim.workload import Workload
 
 REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of each length regime."""
@@ -62,7 +57,7 @@ GROUP = 16
 def _calibration_summary(engine: EngineModel, cal, cpu: dict) -> tuple[list[str], dict]:
     m = engine.model
     lines = [
-        "Calibration (megatron_dapo/rollout/simulator.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
+        "Calibration (megatron_dapo/data/sim/calibration.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
         f"  model {m.name}: {m.params / 1e9:.3f} B parameters, {m.weight_bytes / 1e9:.2f} GB bf16, "
         f"KV {m.kv_bytes_per_token} B/token; engine = {engine.tp} x {engine.gpu.name} "
         f"({engine.gpu.bandwidth / 1e12:.2f} TB/s, {engine.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16)",

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_train import (
+
+from megatron_dapo.model.perf import (
     SHAPES,
     measure_peak_tflops,
     param_count,
@@ -255,11 +256,11 @@ def main() -> None:
     parts = args.parts
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.convert.checkpoint_io import LazyMegatronWeights, SafetensorsReader
+    from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, SafetensorsReader
     from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy
-    from megatron_dapo.rollout.vllm_engine import rollout_tp
+    from megatron_dapo.rollout.vllm_env import rollout_tp
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     model_dir = None if args.shape else _model_dir(args)

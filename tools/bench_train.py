@@ -19,123 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.distributed as dist
 
-SHAPES = {
-    # name: (hidden, ffn, layers, heads, kv_heads, vocab)
-    "tiny": (256, 704, 4, 4, 2, 4096),
-    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
-    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
-    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
-    "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064),
-}
-
-
-def model_flops_per_token(arch, seq: int) -> float:
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size
-    matmul_params = arch.num_layers * per_layer + arch.vocab_size * h  # + the output layer
-    return 6.0 * matmul_params + 6.0 * arch.num_layers * seq * q
-
-
-def param_count(arch) -> int:
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    layer = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h + 3 * h * arch.intermediate_size + 2 * h
-    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * layer + embeddings + h
-
-
-def measure_peak_tflops(dtype: torch.dtype, device: torch.device) -> float:
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    reps = 20 if device.type == "cuda" else 5
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
-
-
-def shape_arch(shape: str, seq: int):
-    """The ModelArch of a named shape in SHAPES (a Qwen2), with positions for seq tokens."""
-    from megatron_dapo.model.arch import ModelArch
-
-    h, ffn, layers, heads, kv, vocab = SHAPES[shape]
-    return ModelArch.from_hf_config(
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": vocab,
-            "hidden_size": h,
-            "intermediate_size": ffn,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv,
-            "max_position_embeddings": max(seq, 4096),
-        },
-        source=f"--shape {shape}",
-    )
-
-
-def random_samples(vocab: int, count: int, prompt: int, seq: int, seed: int) -> list:
-    """count TrainSamples of `prompt` prompt and seq - prompt response tokens: random ids and advantages."""
-    from megatron_dapo.model.policy import TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    return [
-        TrainSample(
-            prompt_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
-            response_ids=torch.randint(0, vocab, (seq - prompt,), generator=g).tolist(),
-            advantage=float(torch.randn((), generator=g)),
-        )
-        for _ in range(count)
-    ]
-
-
-def time_train_step(policy, samples: list, steps: int) -> tuple[float, float]:
-    """Median seconds of the old-logprob forward and of the train step, over `steps` after one warm-up."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def step() -> tuple[float, float]:
-        sync()
-        t0 = time.perf_counter()
-        logps = policy.compute_logprobs(samples, 1.0)
-        if logps is not None:  # None off the last pipeline stage
-            for s, lp in zip(samples, logps):
-                s.old_logp = lp["logp"]
-        sync()
-        t1 = time.perf_counter()
-        policy.train_step(samples, 1.0)
-        sync()
-        return t1 - t0, time.perf_counter() - t1
-
-    step()  # warm-up
-    times = [step() for _ in range(steps)]
-    return sorted(t[0] for t in times)[len(times) // 2], sorted(t[1] for t in times)[len(times) // 2]
-
-
-def train_rates(arch, seq: int, tokens: int, devices: int, logprob_s: float, train_s: float, peak: float) -> dict:
-    """Tokens/s, TFLOP/s per device and MFU of a train step over `tokens` tokens (all ranks) on `devices`
-    devices; the old-logprob forward does a third of the train step's FLOPs. peak: TFLOP/s per device."""
-    flops = model_flops_per_token(arch, seq) * tokens
-    return {
-        "train_step_s": round(train_s, 4),
-        "train_tokens_per_s": round(tokens / train_s, 1),
-        "logprob_tokens_per_s": round(tokens / logprob_s, 1),
-        "tflops_per_device": round(flops / train_s / devices / 1e12, 3),
-        "mfu": round(flops / train_s / devices / 1e12 / peak, 4),
-        "logprob_mfu": round(flops / 3 / logprob_s / devices / 1e12 / peak, 4),
-    }
+from megatron_dapo.model.perf import (
+    SHAPES,
+    measure_peak_tflops,
+    param_count,
+    random_samples,
+    shape_arch,
+    time_train_step,
+    train_rates,
+)
 
 
 def main() -> None:

@@ -28,18 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.cli import quiet_libraries, run_cli
-from megatron_dapo.convert.checkpoint_io import DTYPE_NAMES, ConvertError
+from megatron_dapo.cli import argument_parser, quiet_libraries, run_cli, tool_log
+from megatron_dapo.config import DTYPES
+from megatron_dapo.convert.common import ConvertError
 
 _CHECKED_ENV = "MEGATRON_DAPO_CONVERT_RELAUNCHED"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = argument_parser(__doc__)
     ap.add_argument(
         "--hf",
         required=True,
@@ -70,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--dtype",
-        choices=DTYPE_NAMES,
+        choices=DTYPES,
         default=None,
         help="parameter dtype of the Megatron model (default: the dtype config.json declares, else bf16)",
     )
@@ -82,10 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def log(msg: str) -> None:
-    """One progress line, from rank 0 only."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[convert_hf_to_megatron] {msg}", flush=True)
+log = tool_log("convert_hf_to_megatron", rank0_only=True)
 
 
 def _config(args: argparse.Namespace):
@@ -99,7 +93,8 @@ def validate(args: argparse.Namespace):
 
     Returns (arch, reader). Raises ConvertError, ArchError or LayoutError with a message naming the culprit.
     """
-    from megatron_dapo.convert.checkpoint_io import hf_config_dtype, prepare_output_dir
+    from megatron_dapo.convert.common import prepare_output_dir
+    from megatron_dapo.convert.safetensors_io import hf_config_dtype
     from megatron_dapo.model.arch import ModelArch
 
     hf = Path(args.hf)
@@ -110,7 +105,8 @@ def validate(args: argparse.Namespace):
     prepare_output_dir(args.out, args.force, keep=(hf,))
 
     # the checks below import torch: a few seconds, so the ones above go first
-    from megatron_dapo.convert.checkpoint_io import SafetensorsReader, check_hf_tensors, format_bytes
+    from megatron_dapo.convert.common import format_bytes
+    from megatron_dapo.convert.safetensors_io import SafetensorsReader, check_hf_tensors
     from megatron_dapo.model.parallel import check_layout
 
     cfg = _config(args)
@@ -158,16 +154,14 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
     import torch.distributed as dist
 
     import megatron_dapo
-    from megatron_dapo.convert.checkpoint_io import (
+    from megatron_dapo.convert.common import format_bytes, prepare_output_dir
+    from megatron_dapo.convert.megatron_io import (
         MODEL_SUBDIR,
         CheckpointMeta,
-        LazyMegatronWeights,
-        copy_non_weight_files,
-        format_bytes,
-        prepare_output_dir,
         save_megatron_checkpoint,
         write_metadata,
     )
+    from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, copy_non_weight_files
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.provider import build_model_chunks, load_full_weights
 

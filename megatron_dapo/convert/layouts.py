@@ -2,15 +2,10 @@
 
 Written once, used by the model loader, the weight bridge and the conversion tools.
 
-Megatron layout facts (local and Transformer Engine specs alike):
-- `linear_qkv` fuses q, k and v grouped per query group: for each of the
-  num_key_value_heads groups, its heads_per_group query heads, then its k head, then its
-  v head. A tensor-parallel split is therefore a plain chunk of whole groups.
-- `linear_fc1` is cat(gate, up) on dim 0; each TP rank holds cat(gate_r, up_r).
-- `linear_proj` and `linear_fc2` split on dim 1; the embedding and the output layer on
-  dim 0 (the vocabulary); norms are replicated.
-- With the TE spec the input/pre-MLP norms live inside the next linear layer as
-  `layer_norm_weight`.
+`linear_qkv` fuses q, k and v grouped per query group: for each of the num_key_value_heads groups, its
+heads_per_group query heads, then its k head, then its v head (so a tensor-parallel split is a plain chunk
+of whole groups); `linear_fc1` is cat(gate, up) on dim 0. How Megatron splits each tensor across TP ranks,
+and the Transformer Engine spec's names, are model/sharding.py's.
 
 Names here are "full" Megatron names with global layer numbers; model/ maps them to a
 pipeline stage's local numbering.
@@ -18,14 +13,12 @@ pipeline stage's local numbering.
 
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import torch
 
 from megatron_dapo.model.arch import ModelArch
-
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+from megatron_dapo.model.sharding import layer_of, local_suffix
 
 # Megatron per-layer suffix (local spec) -> HF per-layer suffix, for the 1:1 tensors.
 _LAYER_ONE_TO_ONE = {
@@ -34,17 +27,6 @@ _LAYER_ONE_TO_ONE = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-# Transformer Engine spec names for the norms fused into the following linear layer.
-TE_NORM_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
-
-
-def layer_of(name: str) -> tuple[int, str] | None:
-    """'decoder.layers.7.mlp.linear_fc2.weight' -> (7, 'mlp.linear_fc2.weight'); None for non-layer names."""
-    m = _LAYER_RE.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def megatron_names(arch: ModelArch) -> list[str]:
@@ -75,8 +57,7 @@ def megatron_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         return (arch.vocab_size, h)
     if name == "decoder.final_layernorm.weight":
         return (h,)
-    suffix = (layer_of(name) or (None, ""))[1]
-    suffix = {te: local for local, te in TE_NORM_NAMES.items()}.get(suffix, suffix)
+    suffix = local_suffix((layer_of(name) or (None, ""))[1])
     shapes = {
         "input_layernorm.weight": (h,),
         "pre_mlp_layernorm.weight": (h,),
@@ -173,7 +154,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
     if parsed is None:
         raise KeyError(f"no Hugging Face name for Megatron tensor '{name}'")
     i, suffix = parsed
-    suffix = {te: local for local, te in TE_NORM_NAMES.items()}.get(suffix, suffix)
+    suffix = local_suffix(suffix)
     hp = f"model.layers.{i}."
     if suffix in _LAYER_ONE_TO_ONE:
         yield hp + _LAYER_ONE_TO_ONE[suffix], tensor
@@ -189,44 +170,3 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
         yield hp + "mlp.up_proj.weight", up
     else:
         raise KeyError(f"no Hugging Face name for Megatron tensor '{name}'")
-
-
-# ---------------------------------------------------------------- tensor parallel
-
-
-def tp_split_dim(name: str) -> int | None:
-    """The dim a tensor is split on across TP ranks (None: replicated)."""
-    suffix = (layer_of(name) or (None, name))[1]
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        return 0
-    if suffix.startswith("self_attention.linear_qkv.") and "layer_norm" not in suffix:
-        return 0
-    if suffix == "mlp.linear_fc1.weight":
-        return 0
-    if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return 1
-    return None
-
-
-def tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's slice of a full Megatron tensor (gate and up chunked separately for fc1)."""
-    dim = tp_split_dim(name)
-    if dim is None or tp_size == 1:
-        return full
-    if name.endswith("mlp.linear_fc1.weight"):
-        gate, up = torch.chunk(full, 2, dim=0)
-        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
-    if full.shape[dim] % tp_size:
-        raise ValueError(f"'{name}' dim {dim} of size {full.shape[dim]} does not split over tp={tp_size} ranks")
-    return full.chunk(tp_size, dim)[tp_rank]
-
-
-def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of tp_shard: the full tensor from every TP rank's slice, in rank order."""
-    dim = tp_split_dim(name)
-    if dim is None or len(shards) == 1:
-        return shards[0]
-    if name.endswith("mlp.linear_fc1.weight"):
-        gates, ups = zip(*(torch.chunk(s, 2, dim=0) for s in shards))
-        return torch.cat([*gates, *ups], dim=0)
-    return torch.cat(shards, dim=dim)

@@ -1,1 +1,1 @@
-"""Prompt datasets, the offline problem generator and the dynamic-sampling loader."""
+"""Prompt datasets, the offline problem generator, the dynamic-sampling loader and its simulator (sim/)."""

@@ -9,8 +9,8 @@ Each rollout step, in ticks of `sampler.tick_steps` engine steps:
    sample finishes is shaped (soft overlong punishment), filtered (0 < #correct < G on raw
    correctness, or the user's sampler.filter) and handed to the reward pool right away, so
    scoring overlaps generation;
-3. the groups that finished in the previous tick (scored meanwhile) are summarised (GroupMeta)
-   and gathered on every rank, in one order, and the scheduler observes them.
+3. the groups that finished in the previous tick (scored meanwhile) are summarised (GroupMeta,
+   group_summary.py) and gathered on every rank, in one order, and the scheduler observes them.
 
 When the batch is full the scheduler stops what is still generating: aborted (prompts back to
 the head of the queue), or with partial rollout paused, their tokens kept on their engine's
@@ -27,34 +27,23 @@ repeats an uninterrupted one.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
-import torch
-
-from megatron_dapo.algorithm import informative_groups, soft_overlong_punishment
-from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.config import Config
 from megatron_dapo.data.exchange import Comm, gather_metas, gather_stopped
-from megatron_dapo.data.scheduler import (
-    DynamicSamplingError,
-    GroupMeta,
-    SamplingScheduler,
-    Stopped,
-    Submission,
-)
+from megatron_dapo.data.group_summary import GroupFilter, GroupShaping, load_group_filter, token_versions
+from megatron_dapo.data.records import GroupMeta, Stopped, Submission
+from megatron_dapo.data.scheduler import DynamicSamplingError, SamplingScheduler
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 from megatron_dapo.types import Group, Prompt, Response
 
 log = logging.getLogger("megatron_dapo.data")
 
-__all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "StepBatch", "load_group_filter"]
-
-GroupFilter = Callable[[Group], bool]
-"""A user's replacement for the informative test: True keeps the group for training."""
+__all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "StepBatch"]
 
 
 class AsyncScorer(Protocol):
@@ -77,21 +66,6 @@ class StepBatch:
     local: dict[int, list[Response]]
     """The responses of the batch's groups this rank owns, by group key."""
     stats: dict[str, float]
-
-
-def load_group_filter(spec: str) -> GroupFilter:
-    """'package.module:function' -> the function; ConfigError naming sampler.filter when it cannot be used."""
-    if spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"config field sampler.filter={spec!r}: expected 'package.module:function'")
-    module_name, fn_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix: say which
-        raise ConfigError(f"config field sampler.filter={spec!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"config field sampler.filter={spec!r}: module {module_name!r} has no function {fn_name!r}")
-    return fn
 
 
 class DynamicSamplingLoader:
@@ -168,15 +142,18 @@ class DynamicSamplingLoader:
         self.group_size = group_size
         self.max_staleness = max_staleness
         self.tick_steps = tick_steps
-        self.dynamic_sampling = dynamic_sampling
         self.sampling = dict(
             temperature=temperature, top_p=top_p, max_tokens=max_response_length, stop_token_ids=stop_token_ids
         )
         self.max_response_length = max_response_length
-        self.overlong_punishment = overlong_punishment
-        self.overlong_buffer_len = overlong_buffer_len
-        self.overlong_penalty_factor = overlong_penalty_factor
-        self.filter_fn = filter_fn
+        self.shaping = GroupShaping(
+            max_response_length=max_response_length,
+            overlong_punishment=overlong_punishment,
+            overlong_buffer_len=overlong_buffer_len,
+            overlong_penalty_factor=overlong_penalty_factor,
+            dynamic_sampling=dynamic_sampling,
+            filter_fn=filter_fn,
+        )
         # this rank's share of the state: responses of the groups it owns that outlive a step
         self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
         self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
@@ -359,43 +336,9 @@ class DynamicSamplingLoader:
         ]
 
     def _summarise(self, key: int, group: Group, engine: int, scored: Any) -> GroupMeta:
-        responses = group.responses
-        lengths = [len(r.token_ids) for r in responses]
-        scores = [float(x) for x in scored.scores]
-        rewards = torch.tensor(scores, dtype=torch.float64)
-        if self.overlong_punishment:
-            rewards += soft_overlong_punishment(
-                torch.tensor(lengths), self.max_response_length, self.overlong_buffer_len, self.overlong_penalty_factor
-            ).double()
-        group.scores, group.acc, group.rewards = scores, [bool(a) for a in scored.acc], rewards.tolist()
-        if self.filter_fn is not None:
-            informative = bool(self.filter_fn(group))
-        elif self.dynamic_sampling:
-            informative = bool(informative_groups(torch.tensor([group.acc]))[0])
-        else:
-            informative = True
-        versions = [v for r in responses for v in (r.versions or [self.version] * len(r.token_ids))]
-        first = min(versions, default=self.version)
-        counts = [0] * (max(versions, default=first) - first + 1)
-        for v in versions:
-            counts[v - first] += 1
+        meta = self.shaping.summarise(key, group, engine, scored, self.version)
         self.finished[key] = group
-        status = list(scored.status)
-        return GroupMeta(
-            key=key,
-            index=group.prompt.index,
-            engine=engine,
-            version=first,
-            lengths=lengths,
-            acc=group.acc,
-            scores=scores,
-            rewards=group.rewards,
-            truncated=[bool(r.truncated) for r in responses],
-            informative=informative,
-            version_tokens=counts,
-            reward_timeouts=status.count("timeout"),
-            reward_errors=status.count("error"),
-        )
+        return meta
 
     def _stop(self, stop: dict[int, bool]) -> dict[int, Stopped]:
         """Abort (keep=False) or pause (keep=True) the groups still generating; report what this rank had of them."""
@@ -421,7 +364,7 @@ class DynamicSamplingLoader:
             if key in stop:
                 stopped_samples[key] = group.responses
         for key, samples in stopped_samples.items():
-            versions = [v for r in samples for v in (r.versions or [self.version] * len(r.token_ids))]
+            versions = token_versions(samples, self.version)
             out[key] = Stopped(
                 tokens=len(versions),
                 tokens_now=sum(v == self.version for v in versions),

@@ -2,9 +2,11 @@
 
 A deterministic state machine with no I/O, no engines and no torch.distributed: the loader
 (dynamic_sampling.py) feeds it what the engines report, and the paper-scale simulator
-(rollout/simulated.py) feeds it simulated engines, so both run exactly these rules. Every rank
+(sim/driver.py) feeds it simulated engines, so both run exactly these rules. Every rank
 holds an identical scheduler and feeds it the same observations in the same order, so every
 rank takes the same decisions, and a resumed run takes the ones the uninterrupted run took.
+The records it exchanges are in records.py; the step in progress (its batch, counters and
+statistics) is sampling_step.py's StepState.
 
 One rollout step:
 
@@ -41,13 +43,14 @@ that would exceed it are dropped and their prompts requeued.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Optional
 
 import numpy as np
 
 from megatron_dapo.choices import SAMPLER_MODES, SHORTFALL_POLICIES
+from megatron_dapo.data.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
+from megatron_dapo.data.sampling_step import StepState
 
 INITIAL_INFORMATIVE_FRAC = 0.5
 """The first step's guess of the informative fraction; later steps start from what earlier steps measured."""
@@ -55,139 +58,6 @@ INITIAL_INFORMATIVE_FRAC = 0.5
 
 class DynamicSamplingError(RuntimeError):
     """The loader cannot fill a batch: too few informative groups within the cap, or too few prompts."""
-
-
-@dataclass
-class GroupMeta:
-    """What every rank knows of a finished, scored group. Its tokens stay on the rank of the engine that made it."""
-
-    key: int
-    """Submission number: groups are numbered in the order they were first submitted, over the whole run."""
-    index: int
-    """The prompt's position in the dataset."""
-    engine: int
-    """The engine that generated it (its tokens live there)."""
-    version: int
-    """The policy version that sampled its first token."""
-    lengths: list[int]
-    """Response lengths in tokens, one per sample."""
-    acc: list[bool]
-    """Raw correctness per sample (the verifier's), what the informative test judges."""
-    scores: list[float]
-    """Verifier scores per sample."""
-    rewards: list[float]
-    """Shaped rewards (score + soft overlong punishment) per sample: advantages come from these."""
-    truncated: list[bool]
-    """Per sample: stopped at rollout.max_response_length."""
-    informative: bool
-    """Kept for training: 0 < #correct < G (or the user's sampler.filter, or always without dynamic sampling)."""
-    version_tokens: list[int]
-    """Tokens of the group sampled under version + i, i = 0, 1, ... (several only when paused and continued)."""
-    reward_timeouts: int = 0
-    reward_errors: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def num_correct(self) -> int:
-        return sum(self.acc)
-
-    def tokens_of_version(self, v: int) -> int:
-        i = v - self.version
-        return self.version_tokens[i] if 0 <= i < len(self.version_tokens) else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> GroupMeta:
-        return GroupMeta(**d)
-
-
-@dataclass
-class Submission:
-    """A group for an engine to generate: a new one, or a paused one to continue from its tokens so far."""
-
-    key: int
-    index: int
-    engine: int
-    seed: int
-    """Sample j is seeded seed + j: a function of the submission number only, so samples never depend on
-    how many engines there are or when the group went out."""
-    resume: bool = False
-
-
-@dataclass
-class Paused:
-    """A partial-rollout group stopped at a weight sync, to continue on its engine (which holds its tokens)."""
-
-    key: int
-    index: int
-    engine: int
-    seed: int
-    version: int
-    """The policy version of its oldest token."""
-    tokens: int
-    """Tokens generated so far."""
-
-
-@dataclass
-class Stopped:
-    """What an engine had of a group it stopped at the end of a step (gathered from the engines' ranks)."""
-
-    tokens: int
-    """Tokens generated so far, all samples together."""
-    tokens_now: int
-    """Of those, the ones sampled in this step (by the current version)."""
-    first_version: Optional[int]
-    """The version of its oldest token; None when it had none (never started: nothing is lost)."""
-
-
-@dataclass
-class StepResult:
-    """One step's outcome: the groups to train on, what to keep for later, and the step's statistics."""
-
-    batch: list[GroupMeta]
-    keep: set[int]
-    """Keys whose tokens the engines' ranks must keep: the batch, the carry and the paused groups."""
-    stats: dict[str, float]
-    shortfall: Optional[str] = None
-    """Why the batch is short, with on_shortfall=train (None when it is full)."""
-
-
-@dataclass
-class _Flight:
-    key: int
-    index: int
-    engine: int
-    seed: int
-    resumed: bool
-
-
-@dataclass
-class _Step:
-    """Bookkeeping of the step in progress (a checkpoint is only ever taken between steps)."""
-
-    version: int
-    batch: list[GroupMeta] = field(default_factory=list)
-    surplus: list[GroupMeta] = field(default_factory=list)
-    """Informative groups found after the batch was full, in acceptance order."""
-    waiting: dict[int, GroupMeta] = field(default_factory=dict)
-    """stream: finished groups behind an unfinished earlier one (committed in submission order)."""
-    order: list[int] = field(default_factory=list)
-    """Keys submitted this step, in submission order (stream commits along it)."""
-    committed: int = 0
-    in_step: set[int] = field(default_factory=set)
-    """Prompts already in this step: none is generated twice in one step."""
-    submitted: int = 0
-    rounds: int = 0
-    round_left: int = 0
-    exhausted: bool = False
-    stopping: dict[int, bool] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
-    max_in_flight: int = 0
 
 
 def _requeue_front(queue: list[int], indices: list[int]) -> list[int]:
@@ -263,8 +133,8 @@ class SamplingScheduler:
         # without dynamic sampling every group is trained: nothing to estimate
         self.informative_frac = INITIAL_INFORMATIVE_FRAC if dynamic_sampling else 1.0
         # the step in progress
-        self.flight: dict[int, _Flight] = {}
-        self._step: Optional[_Step] = None
+        self.flight: dict[int, Flight] = {}
+        self._step: Optional[StepState] = None
         self._load = [0] * num_engines
         """Unfinished samples per engine: as the engines last reported (observe), plus what went out since."""
 
@@ -309,7 +179,7 @@ class SamplingScheduler:
         if self._step is not None:
             raise RuntimeError("begin_step() while a step is in progress: close_step() and settle() it first")
         v = self.version
-        st = self._step = _Step(version=v, counts={k: 0.0 for k in _COUNTS})
+        st = self._step = StepState(version=v)
         fresh, stale = [], []
         for g in self.carry:  # trained this step at version v
             (fresh if v - g.version <= self.max_staleness else stale).append(g)
@@ -326,7 +196,7 @@ class SamplingScheduler:
                 st.counts["groups_stale"] += 1
                 st.counts["tokens_wasted_earlier"] += p.tokens
             else:
-                self.flight[p.key] = _Flight(p.key, p.index, p.engine, p.seed, resumed=True)
+                self.flight[p.key] = Flight(p.key, p.index, p.engine, p.seed, resumed=True)
                 resumed.append(Submission(p.key, p.index, p.engine, p.seed, resume=True))
         st.counts["resumed"] = len(resumed)
         self._load = [0] * self.num_engines
@@ -381,33 +251,13 @@ class SamplingScheduler:
         if cap:
             room = min(room, cap - st.submitted)
         if not self.partial_rollout:  # on-policy: only what the batch is expected to need, to abort little
-            room = min(room, self._groups_wanted() - len(self.flight))
+            wanted = st.groups_wanted(self.train_batch_size, self._informative_estimate(), self.stream_margin)
+            room = min(room, wanted - len(self.flight))
         return self._submit(self._draw(room)) if room > 0 else []
 
-    def _groups_wanted(self) -> int:
-        """stream: groups to have in flight so the batch is expected to fill with stream_margin binomial standard
-        deviations to spare (1.0: ~84% of steps need no late refill)."""
-        st = self._step
-        need = self.train_batch_size - len(st.batch) - sum(g.informative for g in st.waiting.values())
-        if need <= 0:
-            return 0
-        p = self._informative_estimate()
-        # smallest m with m p - z sqrt(m p (1 - p)) >= need: a quadratic in sqrt(m)
-        b = self.stream_margin * math.sqrt(p * (1 - p))
-        root = (b + math.sqrt(b * b + 4 * p * need)) / (2 * p)
-        return math.ceil(root * root)
-
     def _informative_estimate(self) -> float:
-        """The informative fraction: earlier steps' estimate, updated by this step's groups taken so far.
-
-        Only groups taken in order count (stream: the committed prefix; fill: whole rounds): the groups that
-        finish first are the short ones, and short (easy) prompts are more often all correct, so counting
-        early finishers would understate the fraction and over-submit.
-        """
-        c = self._step.counts
-        prior = max(8.0, self.train_batch_size / 4)  # how many groups' worth of weight the history has
-        p = (self.informative_frac * prior + c["taken_informative"]) / (prior + c["taken"])
-        return min(1.0, max(p, 0.02))
+        """The informative fraction: earlier steps' estimate, updated by this step's groups taken in order."""
+        return self._step.informative_estimate(self.informative_frac, self.train_batch_size)
 
     def _submit(self, indices: list[int]) -> list[Submission]:
         """Each prompt to the engine with the fewest unfinished samples (the most room), lowest id first on ties."""
@@ -419,7 +269,7 @@ class SamplingScheduler:
             key = self.next_key
             self.next_key += 1
             sub = Submission(key, idx, engine, self.group_seed(key))
-            self.flight[key] = _Flight(key, idx, engine, sub.seed, resumed=False)
+            self.flight[key] = Flight(key, idx, engine, sub.seed, resumed=False)
             st.order.append(key)
             out.append(sub)
         st.submitted += len(out)
@@ -445,56 +295,18 @@ class SamplingScheduler:
                 raise ValueError(f"group {g.key} (prompt {g.index}) was observed but is not in flight")
             if engine_load is None:
                 self._load[g.engine] -= self.group_size
-            self._count_finished(g)
+            st.count_finished(g)
             if self.mode == "stream" and not self.partial_rollout:
                 st.waiting[g.key] = g
             elif self.mode == "stream":
-                self._accept(g)  # partial rollout: in completion order
+                st.accept(g, self.train_batch_size)  # partial rollout: in completion order
             else:
                 st.waiting[g.key] = g
                 st.round_left -= 1
         if self.mode == "stream" and not self.partial_rollout:
-            self._commit_in_order(stop_when_full=True)
+            st.commit_in_order(self.train_batch_size, stop_when_full=True)
         elif self.mode != "stream" and st.round_left == 0 and st.waiting:  # the round is complete
-            self._commit_in_order(stop_when_full=False)
-
-    def _count_finished(self, g: GroupMeta) -> None:
-        c = self._step.counts
-        c["groups"] += 1
-        c["informative"] += g.informative
-        c["all_correct"] += g.num_correct == len(g.acc)
-        c["all_wrong"] += g.num_correct == 0
-        c["responses"] += len(g.acc)
-        c["correct"] += g.num_correct
-        c["score_sum"] += sum(g.scores)
-        c["reward_sum"] += sum(g.rewards)
-        c["truncated"] += sum(g.truncated)
-        c["response_tokens"] += g.tokens
-        c["length_max"] = max(c["length_max"], max(g.lengths, default=0))
-        c["reward_timeouts"] += g.reward_timeouts
-        c["reward_errors"] += g.reward_errors
-        c["tokens_generated"] += g.tokens_of_version(self._step.version)
-
-    def _commit_in_order(self, stop_when_full: bool) -> None:
-        """Take finished groups in submission order, up to the first one still generating."""
-        st = self._step
-        while st.committed < len(st.order) and st.order[st.committed] in st.waiting:
-            if stop_when_full and len(st.batch) >= self.train_batch_size:
-                return  # the rest goes back to the queue (close_step)
-            self._accept(st.waiting.pop(st.order[st.committed]))
-            st.committed += 1
-
-    def _accept(self, g: GroupMeta) -> None:
-        st = self._step
-        c = st.counts
-        c["taken"] += 1
-        c["taken_informative"] += g.informative
-        if not g.informative:
-            c["tokens_uninformative"] += g.tokens_of_version(st.version)
-        elif len(st.batch) < self.train_batch_size:
-            st.batch.append(g)
-        else:
-            st.surplus.append(g)
+            st.commit_in_order(self.train_batch_size, stop_when_full=False)
 
     def close_step(self) -> dict[int, bool]:
         """End the step: {key: keep} for every group still generating; keep=True pauses it (partial rollout),
@@ -541,7 +353,13 @@ class SamplingScheduler:
                 c["tokens_wasted_earlier"] += info.tokens - info.tokens_now
         shortfall = None
         if len(st.batch) < self.train_batch_size and self.mode != "dynamic_bs":
-            shortfall = self._shortfall_reason()
+            shortfall = st.shortfall_reason(
+                num_prompts=self.num_prompts,
+                mode=self.mode,
+                max_gen_batches=self.max_gen_batches,
+                gen_batch_size=self.gen_batch_size,
+                train_batch_size=self.train_batch_size,
+            )
         # surplus informative groups: trained next step (version v + 1) when allowed, else dropped
         for g in st.surplus:
             if self.carry_surplus and v + 1 - g.version <= self.max_staleness:
@@ -562,84 +380,21 @@ class SamplingScheduler:
         for g in st.batch:
             c["tokens_trained"] += g.tokens_of_version(v)
             c["tokens_trained_total"] += g.tokens
-        stats = self._stats(st, shortfall)
+        stats = st.stats(
+            shortfall,
+            carried_out=len(self.carry),
+            paused=len(self.paused),
+            epoch=self.epoch,
+            informative_estimate=self._informative_estimate(),
+            max_staleness=self.max_staleness,
+        )
         self.informative_frac = self._informative_estimate()
         keep = {g.key for g in st.batch} | {g.key for g in self.carry} | {p.key for p in self.paused}
         self.version += 1
         self._step = None
         return StepResult(batch=st.batch, keep=keep, stats=stats, shortfall=shortfall)
 
-    def _shortfall_reason(self) -> str:
-        st = self._step
-        c = st.counts
-        if st.exhausted:
-            when = f"after every one of the {self.num_prompts} prompts was tried in this step"
-        elif self.mode == "fill":
-            when = f"after {st.rounds} generation rounds (sampler.max_gen_batches={self.max_gen_batches})"
-        else:
-            when = (
-                f"after {st.submitted} groups were generated (sampler.max_gen_batches x sampler.gen_batch_size = "
-                f"{self.max_gen_batches * self.gen_batch_size})"
-            )
-        frac = c["informative"] / c["groups"] if c["groups"] else 0.0
-        return (
-            f"dynamic sampling: {when}, only {len(st.batch)} of sampler.train_batch_size={self.train_batch_size} "
-            f"informative groups were found ({int(c['carried_in'])} carried over; {int(c['informative'])} of "
-            f"{int(c['groups'])} groups generated this step were informative, fraction {frac:.3f}; "
-            f"{int(c['all_correct'])} all correct, {int(c['all_wrong'])} all wrong). Raise sampler.max_gen_batches "
-            f"or sampler.gen_batch_size, lower sampler.train_batch_size, set sampler.on_shortfall=train, or use a "
-            f"dataset whose difficulty suits the policy."
-        )
-
-    def _stats(self, st: _Step, shortfall: Optional[str]) -> dict[str, float]:
-        c = st.counts
-        stats = {
-            "sampler/gen_rounds": float(st.rounds),
-            "sampler/groups_submitted": float(st.submitted),
-            "sampler/groups_generated": c["groups"],
-            "sampler/carried_in": c["carried_in"],
-            "sampler/carried_out": float(len(self.carry)),
-            "sampler/paused": float(len(self.paused)),
-            "sampler/resumed": c["resumed"],
-            "sampler/requeued": c["requeued"],
-            "sampler/stale_dropped": c["groups_stale"],
-            "sampler/batch_groups": float(len(st.batch)),
-            "sampler/shortfall": float(shortfall is not None),
-            "sampler/epoch": float(self.epoch),
-            "sampler/in_flight_max": float(st.max_in_flight),
-            "sampler/informative_frac_estimate": self._informative_estimate(),
-            "tokens/generated": c["tokens_generated"],
-            "tokens/trained": c["tokens_trained"],
-            "tokens/trained_total": c["tokens_trained_total"],
-            "tokens/uninformative": c["tokens_uninformative"],
-            "tokens/wasted": c["tokens_wasted"],
-            "tokens/wasted_earlier": c["tokens_wasted_earlier"],
-            "tokens/carried": c["tokens_carried"],
-            "tokens/paused": c["tokens_paused"],
-        }
-        for staleness in range(self.max_staleness + 1):
-            stats[f"staleness/tokens_{staleness}"] = float(
-                sum(g.tokens_of_version(st.version - staleness) for g in st.batch)
-            )
-        if not c["groups"]:
-            return stats  # served from the carry: no fresh rollout, so no rates (a 0 would read as a collapse)
-        responses = c["responses"]
-        return stats | {
-            "sampler/informative": c["informative"],
-            "sampler/informative_frac": c["informative"] / c["groups"],
-            "sampler/all_correct": c["all_correct"],
-            "sampler/all_wrong": c["all_wrong"],
-            "reward/mean": c["reward_sum"] / responses,
-            "reward/score_mean": c["score_sum"] / responses,
-            "reward/acc": c["correct"] / responses,
-            "reward/timeouts": c["reward_timeouts"],
-            "reward/errors": c["reward_errors"],
-            "response/length_mean": c["response_tokens"] / responses,
-            "response/length_max": c["length_max"],
-            "response/truncated_frac": c["truncated"] / responses,
-        }
-
-    def _require_step(self) -> _Step:
+    def _require_step(self) -> StepState:
         if self._step is None:
             raise RuntimeError("no rollout step in progress: call begin_step() first")
         return self._step
@@ -687,34 +442,3 @@ class SamplingScheduler:
         self.carry = [GroupMeta.from_dict(g) for g in state["carry"]]
         self.paused = [Paused(**p) for p in state["paused"]]
         self.informative_frac = float(state["informative_frac"])
-
-
-_COUNTS = (
-    "groups",
-    "informative",
-    "all_correct",
-    "all_wrong",
-    "responses",
-    "correct",
-    "score_sum",
-    "reward_sum",
-    "truncated",
-    "response_tokens",
-    "length_max",
-    "reward_timeouts",
-    "reward_errors",
-    "carried_in",
-    "resumed",
-    "requeued",
-    "groups_stale",
-    "taken",
-    "taken_informative",
-    "tokens_generated",
-    "tokens_trained",
-    "tokens_trained_total",
-    "tokens_uninformative",
-    "tokens_wasted",
-    "tokens_wasted_earlier",
-    "tokens_carried",
-    "tokens_paused",
-)

@@ -4,7 +4,8 @@ One SPMD program per device, launched by torchrun: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT come from the environment (a lone process without torchrun is
 rank 0 of 1). nccl on GPU, gloo on CPU. The layout is checked against the model before
 anything is allocated, so an impossible one fails in a second, not after a checkpoint load.
-Megatron keeps the groups themselves (megatron.core.parallel_state); `Layout` is our view.
+Megatron keeps the groups themselves (megatron.core.parallel_state); `Layout` is our view: sizes and
+this rank's place in each group, read once here so no other module asks parallel_state for a rank.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class Layout:
     dp: int
     use_te: bool
     sequence_parallel: bool
+    tp_rank: int = 0
+    """This rank's place in its tensor-, pipeline-, context- and data-parallel groups (Megatron's order)."""
+    pp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +138,13 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         context_parallel_size=par.cp,
     )
     model_parallel_cuda_manual_seed(seed)
-    return Layout(**{**layout.__dict__, "rank": rank, "local_rank": local_rank})
+    ranks = dict(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+    return Layout(**{**layout.__dict__, "rank": rank, "local_rank": local_rank, **ranks})
 
 
 def destroy_parallel() -> None:

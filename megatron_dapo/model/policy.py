@@ -261,10 +261,7 @@ class MegatronPolicy:
         multiple *= 2 * self.layout.cp if self.layout.cp > 1 else 1  # two chunks per context-parallel rank
         mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
         if self.layout.cp > 1:
-            from megatron.core import parallel_state
-
-            rank = parallel_state.get_context_parallel_rank()
-            mbs = [_slice_for_cp(mb, self.layout.cp, rank) for mb in mbs]
+            mbs = [_slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

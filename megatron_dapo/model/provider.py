@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo.config import Config
-from megatron_dapo.convert.layouts import TE_NORM_NAMES, layer_of, tp_shard, tp_split_dim, tp_unshard
 from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.dtypes import torch_dtype
 from megatron_dapo.model.parallel import Layout
+from megatron_dapo.model.sharding import layer_of, local_suffix, tp_shard, tp_split_dim, tp_unshard
 
 VOCAB_DIVISIBLE_BY = 128
 """The vocabulary is padded to a multiple of this times tp (Megatron-LM's default), for GEMM shapes."""
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def padded_vocab_size(arch: ModelArch, tp: int) -> int:
@@ -33,7 +32,7 @@ def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
     from megatron.core.transformer import TransformerConfig
 
     m = cfg.model
-    dtype = _DTYPES[m.dtype]
+    dtype = torch_dtype(m.dtype)
     kwargs = {}
     if m.fp8 is not None:
         kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
@@ -147,7 +146,7 @@ def build_optimizer(ddp_chunks: list, cfg: Config):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = torch_dtype(cfg.model.dtype)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -191,7 +190,8 @@ class _Slot:
     param: torch.nn.Parameter
 
 
-def _unwrap(chunk):
+def unwrap(chunk):
+    """The GPTModel inside a chunk: Megatron's DDP wrapper has no sharded_state_dict of its own."""
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
@@ -200,14 +200,13 @@ def local_slots(chunks: list, arch: ModelArch) -> Iterator[_Slot]:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     for vp, chunk in enumerate(chunks):
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         offset = get_transformer_layer_offset(model.config, vp_stage=vp if len(chunks) > 1 else None)
         for name, param in model.named_parameters():
             parsed = layer_of(name)
             if parsed is not None:
                 i, suffix = parsed
-                suffix = {te: local for local, te in TE_NORM_NAMES.items()}.get(suffix, suffix)
-                name = f"decoder.layers.{i + offset}.{suffix}"
+                name = f"decoder.layers.{i + offset}.{local_suffix(suffix)}"
             elif name == "output_layer.weight" and arch.tie_word_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             yield _Slot(name, param)

@@ -1,7 +1,9 @@
 """Rule-based rewards: answer verifiers and the process pool that runs them under time and memory limits."""
 
-from megatron_dapo.reward.hybrid import extract_final_answer, hybrid_verify
-from megatron_dapo.reward.pool import RewardBatch, RewardPool
+from megatron_dapo.reward.hybrid import hybrid_verify
+from megatron_dapo.reward.hybrid_parse import extract_final_answer
+from megatron_dapo.reward.pool import RewardPool
+from megatron_dapo.reward.tickets import RewardBatch
 from megatron_dapo.reward.verifiers import (
     VERIFIER_NAMES,
     VerifyResult,

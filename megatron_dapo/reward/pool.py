@@ -29,6 +29,9 @@ of its own: it makes progress only inside submit(), poll(), done(), result() and
 so a response's time limit is enforced at the pool's next turn. Between two poll() calls a
 hung response may hold its worker longer than ``timeout_s``; it is never cut short. The
 pool is meant for one thread.
+
+This module is the parent's event loop; worker.py is the code each scoring process runs,
+process.py the parent's handle on one, tickets.py the records of one submit() (RewardBatch).
 """
 
 from __future__ import annotations
@@ -36,23 +39,18 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import multiprocessing
 import multiprocessing.connection
-import multiprocessing.spawn
-import os
-import resource
-import signal
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dapo.reward.verifiers import VerifyResult, select_verifier
+from megatron_dapo.reward.process import WorkerProcess, install_spawn_hook
+from megatron_dapo.reward.tickets import Key, RewardBatch, Ticket, as_text, excerpt
+from megatron_dapo.reward.verifiers import select_verifier
 
 logger = logging.getLogger("megatron_dapo.reward")
 
-_WORKER_NAME_PREFIX = "megatron-dapo-reward-"
 _GRACE_S = 0.5
 """Extra time the parent allows past timeout_s, so the worker's own soft limit fires first."""
 _MAX_CHUNK = 16
@@ -60,201 +58,6 @@ _MAX_CHUNK = 16
 back one message each, so larger chunks would save little IPC."""
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_START_FAILURES = 3
-_EXCERPT_CHARS = 80
-_MAX_DETAIL_CHARS = 300
-
-STATUSES = ("ok", "timeout", "error")
-
-
-@dataclass
-class RewardBatch:
-    """Scores of one score() call or ticket; every list has one entry per response, in input order."""
-
-    scores: list[float]
-    """+1.0 correct, -1.0 otherwise (also for 'timeout' and 'error')."""
-    acc: list[bool]
-    """Raw correctness."""
-    preds: list[str | None]
-    """The extracted answers (None when none was found or scoring failed)."""
-    status: list[str]
-    """'ok' | 'timeout' | 'error'."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """reward/timeouts, reward/errors (counts in this call or ticket), reward/seconds (from submit to the
-    last result), reward/responses_per_s, reward/accuracy, reward/score_mean, reward/worker_restarts
-    (see RewardPool.submit for which ticket a restart is counted in)."""
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-class _SoftTimeout(BaseException):
-    """Raised by the worker's SIGALRM handler; BaseException so verifiers' `except Exception` miss it."""
-
-
-def _raise_soft_timeout(signum: int, frame: Any) -> None:
-    raise _SoftTimeout()
-
-
-def _describe(e: BaseException) -> str:
-    """'TypeName: message', bounded; str() of an exotic exception may itself fail."""
-    try:
-        text = str(e)
-    except Exception:  # noqa: BLE001
-        text = "<unprintable>"
-    return f"{type(e).__name__}: {text}"[:_MAX_DETAIL_CHARS] if text else type(e).__name__
-
-
-def _address_space_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _prepare_worker(configured: str, memory_mb: int) -> None:
-    """Imports and warms up the verifiers, then caps the address space. Raises on failure."""
-    # Ctrl-C and the stop signals (Slurm and torchrun deliver them to the whole process group) are the
-    # trainer's to handle: it finishes its step, which needs us, and then closes us (EOF, or SIGKILL)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we bound time here
-    if configured in ("auto", "math_verify", "hybrid"):
-        select_verifier("", "math_verify", math_verify_timeout_s=None)("\\boxed{1}", "1")  # import + first-call cost
-    elif configured != "dapo":
-        select_verifier("", configured)  # import the user's module now: a failure is a start failure
-    limit = memory_mb * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    used = _address_space_mb()
-    if used >= limit / 2**20:
-        raise MemoryError(
-            f"reward.worker_memory_mb={memory_mb} is below the worker's address space at start ({used:.0f} MiB)"
-        )
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    signal.signal(signal.SIGALRM, _raise_soft_timeout)
-
-
-def _score_one(
-    verifiers: dict[str, Any], configured: str, text: str, gold: str, source: str, timeout_s: float
-) -> tuple:
-    """(score, acc, pred, status, detail) for one response; never raises."""
-    try:
-        try:
-            verify = verifiers.get(source)
-            if verify is None:
-                verify = verifiers[source] = select_verifier(source, configured, math_verify_timeout_s=None)
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            result: VerifyResult = verify(text, gold)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        pred = result.pred if isinstance(result.pred, str) or result.pred is None else str(result.pred)
-        return float(result.score), bool(result.acc), pred, "ok", ""
-    except _SoftTimeout:
-        return -1.0, False, None, "timeout", f"over {timeout_s:g} s (soft limit)"
-    except BaseException as e:  # noqa: BLE001 - MemoryError, SystemExit, anything a verifier raises
-        return -1.0, False, None, "error", _describe(e)
-
-
-def _worker_main(
-    conn: multiprocessing.connection.Connection, configured: str, timeout_s: float, memory_mb: int
-) -> None:
-    """A scoring process: ('chunk', [(key, text, gold, source), ...]) in, one ('result', key, ...) per item out.
-
-    The key is the parent's (ticket, index) pair, echoed back untouched.
-    """
-    try:
-        _prepare_worker(configured, memory_mb)
-        conn.send(("ready", os.getpid()))
-    except BaseException as e:  # noqa: BLE001
-        try:
-            conn.send(("fatal", _describe(e)))
-        finally:
-            os._exit(3)
-    verifiers: dict[str, Any] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the parent closed its end or died
-            break
-        if message[0] != "chunk":
-            break
-        for key, text, gold, source in message[1]:
-            _send_result(conn, key, _score_one(verifiers, configured, text, gold, source, timeout_s))
-    os._exit(0)
-
-
-def _send_result(conn: multiprocessing.connection.Connection, key: Any, result: tuple) -> None:
-    """Report one result; one that cannot be pickled is reported as an error instead."""
-    try:
-        conn.send(("result", key, *result))
-    except (EOFError, OSError):
-        os._exit(0)  # the parent is gone
-    except BaseException as e:  # noqa: BLE001 - pickling fails before anything is written, so the pipe is intact
-        conn.send(("result", key, -1.0, False, None, "error", f"cannot send the result: {_describe(e)}"))
-
-
-# --------------------------------------------------------------------------- parent side
-
-
-def _install_spawn_hook() -> None:
-    """Stop spawn from re-running the parent's __main__ in our workers.
-
-    By default a spawn child re-imports the launching script, which for the trainer means
-    importing torch (seconds and GBs of address space) in every scoring process.
-    """
-    original = multiprocessing.spawn.get_preparation_data
-    if getattr(original, "_megatron_dapo_reward", False):
-        return
-
-    def get_preparation_data(name: str) -> dict:
-        data = original(name)
-        if name.startswith(_WORKER_NAME_PREFIX):
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-        return data
-
-    get_preparation_data._megatron_dapo_reward = True  # type: ignore[attr-defined]
-    multiprocessing.spawn.get_preparation_data = get_preparation_data
-
-
-_Key = tuple[int, int]
-"""(ticket, index of the response in its ticket): how the parent names a response to the workers and back."""
-
-
-class _Worker:
-    """The parent's handle on one scoring process and the items it holds."""
-
-    def __init__(self, slot: int, args: tuple) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child_conn, *args), name=f"{_WORKER_NAME_PREFIX}{slot}", daemon=True
-        )
-        self.proc.start()
-        child_conn.close()
-        self.ready = False
-        self.fatal = ""
-        self.started_at = time.monotonic()
-        self.inflight: deque[_Key] = deque()
-        """Keys sent and not yet reported, in the order the worker scores them."""
-        self.item_since = 0.0
-        """When the parent last heard from the worker: the running item started no earlier."""
-
-    def stop(self, kill: bool) -> None:
-        """Close the pipe (the worker exits at EOF); SIGKILL it when kill or when it lingers."""
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-        if kill:
-            self.proc.kill()
-        self.proc.join(timeout=0.5 if not kill else 5.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5.0)
-        try:
-            self.proc.close()
-        except ValueError:
-            pass
 
 
 _LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -266,41 +69,6 @@ def _close_live_pools() -> None:
     multiprocessing sends them, so a pool nobody closed (an exception at start-up) would hang the exit forever."""
     for pool in list(_LIVE_POOLS):
         pool.close()
-
-
-class _Ticket:
-    """One submit() call: its responses, its results so far and what its metrics need."""
-
-    def __init__(self, ticket_id: int, n: int) -> None:
-        self.id = ticket_id
-        self.scores = [-1.0] * n
-        self.acc = [False] * n
-        self.preds: list[str | None] = [None] * n
-        self.status = [""] * n
-        self.pending = n
-        """Indices without a result yet."""
-        self.tasks: dict[int, tuple[str, str, str]] = {}
-        """index -> (text, gold, source) of the responses that go to the workers, in index order."""
-        self.restarts = 0
-        self.submitted_at = time.monotonic()
-        self.done_at = self.submitted_at if n == 0 else 0.0
-        """When the last result came in (reward/seconds ends there, not when result() collects it)."""
-
-    def set(self, idx: int, score: float, acc: bool, pred: str | None, status: str) -> None:
-        if self.status[idx] == "":
-            self.pending -= 1
-            if self.pending == 0:
-                self.done_at = time.monotonic()
-        self.scores[idx], self.acc[idx], self.preds[idx], self.status[idx] = score, acc, pred, status
-
-
-def _excerpt(response: Any) -> str:
-    # repr() escapes lone surrogates and control characters, so logging never fails on them.
-    return (
-        f"{response[:_EXCERPT_CHARS]!r} ({len(response)} chars)"
-        if isinstance(response, (str, bytes))
-        else repr(response)[:_EXCERPT_CHARS]
-    )
 
 
 class RewardPool:
@@ -315,10 +83,10 @@ class RewardPool:
     def __init__(
         self, num_workers: int = 2, timeout_s: float = 5.0, worker_memory_mb: int = 4096, verifier: str = "auto"
     ) -> None:
-        self._workers: list[_Worker | None] = []
-        self._tickets: dict[int, _Ticket] = {}
+        self._workers: list[WorkerProcess | None] = []
+        self._tickets: dict[int, Ticket] = {}
         """Submitted and not yet collected, in submission order."""
-        self._todo: deque[_Key] = deque()
+        self._todo: deque[Key] = deque()
         """Responses waiting for a worker, oldest ticket first; every key belongs to a ticket in _tickets."""
         self._closed = False
         if num_workers < 1:
@@ -335,7 +103,7 @@ class RewardPool:
         self._next_ticket = 1
         self._unowned_restarts = 0
         """Restarts while no ticket was waiting, counted in the next ticket submitted."""
-        _install_spawn_hook()
+        install_spawn_hook()
         _LIVE_POOLS.add(self)
         self._workers = [self._spawn(slot) for slot in range(num_workers)]
 
@@ -405,7 +173,7 @@ class RewardPool:
         while t.pending > 0:
             self._step(block=True)
         del self._tickets[ticket]
-        return self._batch(t)
+        return t.batch()
 
     def close(self) -> None:
         """Stop every worker and drop outstanding tickets. Idempotent."""
@@ -440,12 +208,12 @@ class RewardPool:
                 f"RewardPool.{method}: responses ({n}), ground_truths ({len(ground_truths)}) and data_sources "
                 f"({len(data_sources)}) must have the same length"
             )
-        t = _Ticket(self._next_ticket, n)
+        t = Ticket(self._next_ticket, n)
         self._next_ticket += 1
         t.restarts, self._unowned_restarts = self._unowned_restarts, 0
         self._tickets[t.id] = t
         for i, (response, gold, source) in enumerate(zip(responses, ground_truths, data_sources)):
-            text, problem = _as_text(response, gold, source)
+            text, problem = as_text(response, gold, source)
             if problem:
                 self._record(t, i, response, -1.0, False, None, "error", problem)
             else:
@@ -461,7 +229,7 @@ class RewardPool:
             raise
         return t.id
 
-    def _lookup(self, ticket: int, method: str) -> _Ticket:
+    def _lookup(self, ticket: int, method: str) -> Ticket:
         if self._closed:
             raise RuntimeError(
                 f"RewardPool.{method}({ticket!r}) called after close(); close() drops every outstanding ticket"
@@ -481,8 +249,8 @@ class RewardPool:
 
     # ----------------------------------------------------------------------- scheduling
 
-    def _spawn(self, slot: int) -> _Worker:
-        return _Worker(slot, (self.verifier, self.timeout_s, self.worker_memory_mb))
+    def _spawn(self, slot: int) -> WorkerProcess:
+        return WorkerProcess(slot, (self.verifier, self.timeout_s, self.worker_memory_mb))
 
     def _step(self, block: bool) -> None:
         """The event loop's one step, for poll(), done() and result() alike.
@@ -552,7 +320,7 @@ class RewardPool:
                 deadline = min(deadline, w.started_at + _STARTUP_TIMEOUT_S)
         return max(0.0, deadline - now) + 0.001
 
-    def _drain(self, slot: int, w: _Worker) -> None:
+    def _drain(self, slot: int, w: WorkerProcess) -> None:
         """Read every message the worker has sent; handle its death if it has exited."""
         try:
             while w.conn.poll():
@@ -563,7 +331,7 @@ class RewardPool:
             code = w.proc.exitcode
             self._lose_worker(slot, w, "error", f"worker exited with code {code} while scoring it")
 
-    def _handle(self, w: _Worker, message: tuple) -> None:
+    def _handle(self, w: WorkerProcess, message: tuple) -> None:
         kind = message[0]
         if kind == "result":
             _, key, score, acc, pred, status, detail = message
@@ -592,7 +360,7 @@ class RewardPool:
                 w.fatal = w.fatal or f"not ready after {_STARTUP_TIMEOUT_S:g} s"
                 self._lose_worker(slot, w, "error", "")
 
-    def _lose_worker(self, slot: int, w: _Worker, status: str, detail: str) -> None:
+    def _lose_worker(self, slot: int, w: WorkerProcess, status: str, detail: str) -> None:
         """Kill and replace a worker: its running item gets `status`, its unscored items go back to the queue."""
         exitcode = w.proc.exitcode
         w.stop(kill=True)
@@ -613,7 +381,7 @@ class RewardPool:
         self._count_restart(culprit)
         self._workers[slot] = self._spawn(slot)
 
-    def _count_restart(self, culprit: _Key | None) -> None:
+    def _count_restart(self, culprit: Key | None) -> None:
         """Count a restart in the culprit's ticket; with none, in the oldest ticket still being scored (see submit)."""
         t = self._tickets.get(culprit[0]) if culprit is not None else None
         if t is None:
@@ -645,7 +413,7 @@ class RewardPool:
         """
         # The bookkeeping first, the slow part (joining processes) after: a second Ctrl-C during the joins then
         # leaves only empty slots, which the next step fills.
-        stopped: dict[int, _Worker] = {}
+        stopped: dict[int, WorkerProcess] = {}
         for slot, w in enumerate(self._workers):
             if w is not None and (w.inflight or not w.proc.is_alive()):
                 stopped[slot], self._workers[slot] = w, None
@@ -658,14 +426,14 @@ class RewardPool:
 
     # ----------------------------------------------------------------------- results
 
-    def _record_key(self, key: _Key, score: float, acc: bool, pred: str | None, status: str, detail: str) -> None:
+    def _record_key(self, key: Key, score: float, acc: bool, pred: str | None, status: str, detail: str) -> None:
         t = self._tickets.get(key[0])
         if t is not None:  # None: a ticket dropped meanwhile; nobody wants its results
             self._record(t, key[1], t.tasks[key[1]][0], score, acc, pred, status, detail)
 
     def _record(
         self,
-        t: _Ticket,
+        t: Ticket,
         idx: int,
         response: Any,
         score: float,
@@ -677,33 +445,5 @@ class RewardPool:
         t.set(idx, score, acc, pred, status)
         if status != "ok":
             logger.warning(
-                "reward: ticket %d, response %d %s: %s; response %s", t.id, idx, status, detail, _excerpt(response)
+                "reward: ticket %d, response %d %s: %s; response %s", t.id, idx, status, detail, excerpt(response)
             )
-
-    def _batch(self, t: _Ticket) -> RewardBatch:
-        n = len(t.scores)
-        seconds = t.done_at - t.submitted_at
-        metrics = {
-            "reward/timeouts": float(t.status.count("timeout")),
-            "reward/errors": float(t.status.count("error")),
-            "reward/seconds": seconds,
-            "reward/responses_per_s": n / seconds if seconds > 0 else 0.0,
-            "reward/accuracy": sum(t.acc) / n if n else 0.0,
-            "reward/score_mean": sum(t.scores) / n if n else 0.0,
-            "reward/worker_restarts": float(t.restarts),
-        }
-        return RewardBatch(scores=t.scores, acc=t.acc, preds=t.preds, status=t.status, metrics=metrics)
-
-
-def _as_text(response: Any, gold: Any, source: Any) -> tuple[str, str]:
-    """(text, problem): the response as str, or a description of why it cannot be scored."""
-    if not isinstance(gold, str) or not isinstance(source, str):
-        return "", f"ground truth and data source must be str, got {type(gold).__name__} and {type(source).__name__}"
-    if isinstance(response, bytes):
-        try:
-            return response.decode("utf-8", errors="strict"), ""
-        except UnicodeDecodeError as e:
-            return "", f"invalid UTF-8 ({e.reason} at byte {e.start})"
-    if isinstance(response, str):
-        return response, ""
-    return "", f"response must be str or bytes, got {type(response).__name__}"

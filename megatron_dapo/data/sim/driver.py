@@ -1,0 +1,238 @@
+"""The simulator's driver: simulate() runs the real SamplingScheduler on simulated engines, one table row at a time.
+
+simulate() runs begin_step / plan / tick / observe (a group is observed at the end of the tick after
+the one in which its last sample finished, as the loader's _collect_scored does: scoring lags one
+tick) / close_step / settle with Stopped from the engines (a group finished but not yet observed is
+stopped like one still generating: paused with its samples whole, or aborted), keeping paused groups'
+tokens on their engine. Generation time of a step = the sum of its tick times (fill: of its rounds'
+slowest-engine times), from begin_step (re-prefilling resumed groups included) to the full batch.
+Between steps a weight sync of `sync_s` seconds happens with the engines asleep (colocated): nothing
+generates, so it is reported apart and is the same for every mode. Rows use max_gen_batches = 10 and
+gen_batch_size = 1536 (verl's recipe: fill's round size; for stream only the generation cap).
+engine_sequences (stream, partial rollout, oracle) = 128 samples per engine, the config default: about
+what the KV cache holds at the late run's lengths (~110 sequences of ~6k tokens per engine). The engines
+report their unfinished samples every tick and new groups go where there is room; counting whole groups
+instead (an engine finishing one group's straggler then looks full) was 10-40% slower here, and a budget
+of 320 samples floods the queues (thousands of preemptions a step). stream_margin = 0 and tick_steps =
+32 (~0.8 s of generation) are the config defaults, both chosen from this simulator's first runs: margin
+0 wasted 4.5% of tokens at p = 0.25 and 0.5 against 6.1-6.6% at margin 1, in the same generation time;
+ticks of 8 to 512 steps moved the stream rows by under 1%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from megatron_dapo.data.scheduler import SamplingScheduler
+from megatron_dapo.data.sim.engines import EngineModel, EnginePool
+from megatron_dapo.data.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """One sampler configuration (a table row): the sampler config's fields that differ between rows."""
+
+    name: str
+    mode: str
+    carry_surplus: bool = True
+    partial_rollout: bool = False
+    max_staleness: int = 1
+    gen_batch_size: int = 1536
+    engine_sequences: int = 128
+    stream_margin: float = 0.0
+    oracle: bool = False
+
+
+def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[RowConfig]:
+    """The table's rows; stream rows keep about what an engine's KV cache holds in flight per engine (docstring)."""
+    seqs = engine_sequences
+    return [
+        RowConfig("fill drop", "fill", carry_surplus=False, gen_batch_size=gen_batch_size),
+        RowConfig("fill carry", "fill", carry_surplus=True, gen_batch_size=gen_batch_size),
+        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs),
+        RowConfig("stream+partial S=1", "stream", partial_rollout=True, max_staleness=1,
+                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
+        RowConfig("stream+partial S=2", "stream", partial_rollout=True, max_staleness=2,
+                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
+        RowConfig("oracle", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs, oracle=True),
+    ]  # fmt: skip
+
+
+@dataclass
+class StepRecord:
+    """One simulated rollout step (tokens as the scheduler's stats count them: this step's version only)."""
+
+    gen_s: float
+    ticks: int
+    generated: float
+    trained: float
+    wasted: float
+    wasted_earlier: float
+    uninformative: float
+    carried: float
+    paused: float
+    busy_s: float
+    """Engine-seconds busy (decoding or prefilling), summed over engines."""
+    prefill_s: float
+    """Mean over engines of the step's prefill seconds (resumed groups' re-prefill included)."""
+    in_flight_max: float
+    batch_groups: float
+    groups_generated: float
+    informative_frac: float
+    rounds: float
+    resumed: float
+    stale_dropped: float
+    preempted: int
+    length_max: float
+    """Longest response generated in the step (tokens)."""
+    mean_running: float
+    """Running sequences per engine, averaged over ticks weighted by tick time."""
+
+
+@dataclass
+class SimResult:
+    row: RowConfig
+    workload: dict
+    steps: list[StepRecord]
+    warmup: int
+    sync_s: float
+    num_engines: int
+
+    @property
+    def measured(self) -> list[StepRecord]:
+        return self.steps[self.warmup :]
+
+    def summary(self) -> dict[str, float]:
+        ms = self.measured
+        gen = sum(s.generated for s in ms)
+        total_s = sum(s.gen_s for s in ms)
+        return {
+            "gen_s_mean": float(np.mean([s.gen_s for s in ms])),
+            "gen_s_max": float(np.max([s.gen_s for s in ms])),
+            "wasted_pct": 100.0 * sum(s.wasted + s.wasted_earlier for s in ms) / gen if gen else 0.0,
+            "busy_pct": 100.0 * sum(s.busy_s for s in ms) / (self.num_engines * total_s) if total_s else 0.0,
+            "prefill_s_mean": float(np.mean([s.prefill_s for s in ms])),
+            "generated_tokens_mean": gen / len(ms),
+            "trained_tokens_mean": float(np.mean([s.trained for s in ms])),
+            "uninformative_pct": 100.0 * sum(s.uninformative for s in ms) / gen if gen else 0.0,
+            "informative_frac": float(np.nanmean([s.informative_frac for s in ms])),
+            "in_flight_max": float(np.max([s.in_flight_max for s in ms])),
+            "preempted_mean": float(np.mean([s.preempted for s in ms])),
+            "wall_s_mean": float(np.mean([s.gen_s for s in ms])) + self.sync_s,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "row": asdict(self.row),
+            "workload": self.workload,
+            "warmup": self.warmup,
+            "sync_s": self.sync_s,
+            "num_engines": self.num_engines,
+            "steps": [asdict(s) for s in self.steps],
+            "summary": self.summary(),
+        }
+
+
+SYNC_S = 10.0
+"""Weight sync between steps (s): 65.5 GB of bf16 weights gathered over NVLink and loaded into each engine,
+a few seconds at tens of GB/s; engines are asleep meanwhile, so it only adds to the wall clock."""
+
+
+def simulate(
+    row: RowConfig,
+    engine: EngineModel,
+    workload: Workload,
+    *,
+    num_engines: int = 32,
+    train_batch_size: int = 512,
+    max_gen_batches: int = 10,
+    steps: int = 12,
+    warmup: int = 2,
+    tick_steps: int = 32,
+    seed: int = 42,
+    sync_s: float = SYNC_S,
+) -> SimResult:
+    """Run `warmup + steps` rollout steps of one row with the real SamplingScheduler, as next_batch drives it."""
+    if row.oracle != workload.oracle:
+        raise ValueError(f"row {row.name!r} needs a workload with oracle={row.oracle}")
+    sched = SamplingScheduler(
+        workload.num_prompts,
+        num_engines,
+        group_size=workload.group_size,
+        train_batch_size=train_batch_size,
+        gen_batch_size=row.gen_batch_size,
+        max_gen_batches=max_gen_batches,
+        mode=row.mode,
+        carry_surplus=row.carry_surplus,
+        partial_rollout=row.partial_rollout,
+        max_staleness=row.max_staleness,
+        engine_sequences=row.engine_sequences,
+        stream_margin=row.stream_margin,
+        seed=seed,
+    )
+    pool = EnginePool(engine, num_engines, workload, tick_steps)
+    round_based = row.mode in ("fill", "dynamic_bs")
+    records = []
+    for _ in range(warmup + steps):
+        version = sched.version
+        pool.begin_version()
+        for sub in sched.begin_step():
+            pool.submit(sub)
+        gen_s = busy_s = prefill_s = run_s = 0.0
+        ticks = preempted = 0
+        pending: list[int] = []  # finished in the previous tick: observed at the end of this one (the loader's lag)
+        clock = np.zeros(num_engines)  # fill: each engine's own time in the round (no tick barrier)
+        while not sched.step_done:
+            for sub in sched.plan():
+                pool.submit(sub)
+            t = pool.tick(version)
+            if t.time_s == 0.0 and not (t.finished or t.running or pending):
+                raise RuntimeError(f"{row.name}: the engines are idle but the step is not done (a scheduler stall)")
+            if round_based:  # engines run their share of a round without waiting for each other (as the loader)
+                clock += t.engine_s
+                done = set(pending) | set(t.finished)
+                if all(key in done for key in sched.flight):  # the round is over: it took its slowest engine
+                    gen_s += float(clock.max())
+                    clock[:] = 0.0
+            else:  # stream: every tick ends at a barrier, the slowest engine's time
+                gen_s += t.time_s
+            busy_s += float(t.engine_s.sum())
+            prefill_s += float(t.prefill_s.sum())
+            run_s += t.running * t.time_s
+            ticks += 1
+            preempted += t.preempted
+            sched.observe(pool.collect(pending), pool.unfinished())
+            pending = t.finished
+        stopped = pool.stop(sched.close_step())
+        result = sched.settle(stopped)
+        pool.settle(stopped, {p.key for p in sched.paused})
+        s = result.stats
+        records.append(
+            StepRecord(
+                gen_s=gen_s,
+                ticks=ticks,
+                generated=s["tokens/generated"],
+                trained=s["tokens/trained"],
+                wasted=s["tokens/wasted"],
+                wasted_earlier=s["tokens/wasted_earlier"],
+                uninformative=s["tokens/uninformative"],
+                carried=s["tokens/carried"],
+                paused=s["tokens/paused"],
+                busy_s=busy_s,
+                prefill_s=prefill_s / num_engines,
+                in_flight_max=s["sampler/in_flight_max"],
+                batch_groups=s["sampler/batch_groups"],
+                groups_generated=s["sampler/groups_generated"],
+                informative_frac=s.get("sampler/informative_frac", float("nan")),
+                rounds=s["sampler/gen_rounds"],
+                resumed=s["sampler/resumed"],
+                stale_dropped=s["sampler/stale_dropped"],
+                preempted=preempted,
+                length_max=s.get("response/length_max", 0.0),
+                mean_running=run_s / (num_engines * gen_s) if gen_s else 0.0,
+            )
+        )
+    wl = asdict(workload) | {"beta_a": workload.beta_a, "mu": workload.mu}
+    return SimResult(row=row, workload=wl, steps=records, warmup=warmup, sync_s=sync_s, num_engines=num_engines)

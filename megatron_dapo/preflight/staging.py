@@ -1,0 +1,295 @@
+"""Bring vLLM 0.25.0, megatron-core and what they need to the GPU machine, in pieces of at most 60 MiB.
+
+The GPU machine (ENVIRONMENT.md, "When a GPU is at hand") has Python 3.12, torch 2.11.0 built for CUDA 13, triton
+3.6 and transformers, and no network. vLLM 0.25.0 pins exactly that torch, so it can run there if its wheels travel:
+one `run` call carries at most 64 MiB with the working tree, and the machine keeps ignored files between calls
+while it stays warm (about 30 s after each), so consecutive calls assemble the set piece by piece.
+
+Here (any Python; downloads from PyPI):
+
+    python tools/stage_gpu_wheels.py stage       # resolve, download, split into gpu_stage/part_NN, write the manifest
+    python tools/stage_gpu_wheels.py verify      # reassemble in a temporary folder: sizes, sha256, zip test, pip dry run
+    python tools/stage_gpu_wheels.py commands    # the device `run` calls: one per piece, the last one installs
+
+There (python3 of the GPU image; only the standard library and `packaging`):
+
+    python3 tools/stage_gpu_wheels.py receive gpu_stage/part_03   # check a piece against the manifest and keep it
+    python3 tools/stage_gpu_wheels.py install --target .gpu_site  # reassemble, check, pip install --no-index --no-deps
+
+What travels is derived, not listed by hand: the roots (vllm==0.25.0 and this package's install_requires, read from
+setup.py) and, recursively, every Requires-Dist of each downloaded wheel's METADATA for Python 3.12 on x86-64
+Linux, except the packages in GPU_HAS (already on the GPU image) and in EXCLUDE (deliberately left behind, each
+with its reason). Both lists are plain constants below, meant to be edited. Version requirements on GPU_HAS
+packages cannot be checked here; `install` checks them there and prints any mismatch. A project with no wheel for
+the target is built here with `pip wheel` if it is pure Python (antlr4-python3-runtime 4.9.3 ships only an sdist).
+
+Pieces: files are packed first-fit by decreasing size into folders of at most --piece-mib; a file larger than
+that (the vLLM wheel, 250 MB) is cut into byte ranges. gpu_stage/manifest.json records every file's size and
+sha256 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after
+reassembly. Transformer Engine is not staged (README, "GPU preflight": its core library alone is 276 MB and its
+PyTorch extension must be compiled there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from megatron_dapo.preflight.pieces import (
+    MIB,
+    check_chunk,
+    load_manifest,
+    missing_chunks,
+    reassemble,
+    write_pieces,
+)
+from megatron_dapo.preflight.wheels import EXCLUDE, PLATFORMS, REPO, TARGET_PYTHON, VLLM, Resolver, setup_requires
+
+STAGE = REPO / "gpu_stage"
+PIECE_MIB = 60
+CARRY_LIMIT = 64 * MIB
+"""What one device call may carry: working tree + carried paths (device README, Limits)."""
+
+
+def working_tree_bytes() -> int:
+    """Bytes of what every device call sends besides its carry: tracked and untracked-not-ignored files."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
+    )
+    names = [n for n in proc.stdout.decode().split("\0") if n]
+    total = sum((REPO / n).stat().st_size for n in names if (REPO / n).is_file())
+    shared = REPO / "shared"
+    if shared.is_dir():
+        total += sum(p.stat().st_size for p in shared.rglob("*") if p.is_file())
+    return total
+
+
+def cmd_stage(args) -> int:
+    t0 = time.perf_counter()
+    wheels = args.out / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    roots = [VLLM, *setup_requires()]
+    print(f"roots: {', '.join(roots)}")
+    resolver = Resolver(wheels, [sys.executable, "-m", "pip"])
+    resolver.run(roots)
+    files = sorted(resolver.got.values())
+    meta = {
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": TARGET_PYTHON,
+        "roots": roots,
+        "projects": {
+            n: {"file": p.name, "required_by": sorted(resolver.required_by[n])} for n, p in sorted(resolver.got.items())
+        },
+        "present": {n: sorted(v) for n, v in sorted(resolver.present.items())},
+        "excluded": {n: {"reason": EXCLUDE[n], "required_by": sorted(v)} for n, v in sorted(resolver.excluded.items())},
+    }
+    manifest = write_pieces(wheels, args.out, files, args.piece_mib * MIB, meta)
+    total = sum(f["size"] for f in manifest["files"])
+    tree = working_tree_bytes()
+    print(
+        f"\nstaged {len(files)} wheels, {total / 1e6:.1f} MB, in {len(manifest['pieces'])} pieces of at most "
+        f"{args.piece_mib} MiB under {args.out} ({time.perf_counter() - t0:.0f} s)"
+    )
+    for piece, info in manifest["pieces"].items():
+        print(f"  {piece}: {info['bytes'] / MIB:5.1f} MiB, {info['chunks']} files or byte ranges")
+    print(f"left behind (EXCLUDE): {', '.join(manifest['excluded'])}")
+    print(f"expected on the GPU image (GPU_HAS), checked by `install` there: {', '.join(manifest['present'])}")
+    biggest = max(info["bytes"] for info in manifest["pieces"].values())
+    if biggest + tree > CARRY_LIMIT:
+        print(f"WARNING: a piece ({biggest / MIB:.1f} MiB) + the working tree ({tree / MIB:.1f} MiB) exceed 64 MiB")
+        return 1
+    print(f"largest call: {biggest / MIB:.1f} MiB piece + {tree / MIB:.1f} MiB working tree <= 64 MiB")
+    return 0
+
+
+def pip_target_args(target: Path) -> list[str]:
+    return [
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(target),
+    ]
+
+
+def cmd_verify(args) -> int:
+    manifest = load_manifest(args.out)
+    limit = manifest["piece_bytes"]
+    problems = []
+    for piece in manifest["pieces"]:
+        size = sum(p.stat().st_size for p in (args.out / piece).iterdir())
+        if size > limit:
+            problems.append(f"{piece}: {size} bytes > {limit}")
+    for entry in manifest["files"]:
+        for chunk in entry["chunks"]:
+            why = check_chunk(args.out / chunk["piece"] / chunk["file"], chunk)
+            if why:
+                problems.append(f"{chunk['piece']}/{chunk['file']}: {why}")
+    if problems:
+        print("\n".join(problems))
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = reassemble(manifest, lambda c: args.out / c["piece"] / c["file"], Path(tmp) / "wheels")
+        for path in paths:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad is not None:
+                problems.append(f"{path.name}: zip member {bad} is corrupt")
+        platforms = [x for p in PLATFORMS for x in ("--platform", p)]
+        cross = ["--python-version", TARGET_PYTHON, "--implementation", "cp", *platforms, "--only-binary=:all:"]
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", *pip_target_args(Path(tmp) / "site"), *cross, "--dry-run"]
+        proc = subprocess.run([*cmd, "-q", "--report", str(report), *map(str, paths)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            problems.append(f"pip dry run failed:\n{proc.stderr[-3000:]}")
+        else:
+            would = len(json.loads(report.read_text())["install"])
+            print(f"pip install --dry-run (Python {TARGET_PYTHON}, manylinux x86-64) would install {would} wheels")
+    sizes = [info["bytes"] for info in manifest["pieces"].values()]
+    print(
+        f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']) / 1e6:.1f} MB in {len(sizes)} "
+        f"pieces (largest {max(sizes) / MIB:.1f} MiB <= {limit / MIB:.0f} MiB); every chunk and every reassembled file "
+        f"matches its sha256; zip test of each wheel " + ("FAILED" if problems else "passed")
+    )
+    print("\n".join(problems))
+    return 1 if problems else 0
+
+
+# ----------------------------------------------------------------------------- the device calls
+
+
+def preflight_calls() -> list[str]:
+    """The preflight in two calls, each finishing inside the device's 10-minute limit (--deadline-s stops a check
+    still running; the first call also installs, so it keeps 2 minutes for that)."""
+    run = "PYTHONPATH=$PWD/.gpu_site PYTHONUNBUFFERED=1 python3 tools/preflight.py"
+    return [
+        f"{run} --deadline-s 460 --only env,limits,kernel_equality,kernel_timing,train_tiny,train_0.5b,train_1.5b "
+        "--json $OUT/preflight_1.json",
+        f"{run} --deadline-s 560 --only determinism,bridge,sleep_wake,te --json $OUT/preflight_2.json",
+    ]
+
+
+def device_calls(manifest: dict, rel: str) -> list[dict]:
+    """The device `run` calls, in order: one per piece (rel: the staging folder, relative to the repository),
+    the last piece's call also installing and running the first half of the preflight, then the second half."""
+    pieces = list(manifest["pieces"])
+    calls = []
+    for i, piece in enumerate(pieces):
+        command = f"python3 tools/stage_gpu_wheels.py receive {rel}/{piece}"
+        if i == len(pieces) - 1:
+            command += f" && python3 tools/stage_gpu_wheels.py install --target .gpu_site && {preflight_calls()[0]}"
+        calls.append({"command": command, "carry": [f"{rel}/{piece}", f"{rel}/manifest.json"], "timeout_s": 600})
+    calls.append({"command": preflight_calls()[1], "timeout_s": 600})
+    return calls
+
+
+def cmd_commands(args) -> int:
+    if not args.out.is_relative_to(REPO):
+        raise SystemExit(f"{args.out} is outside the repository: a carried path must be inside it")
+    for call in device_calls(load_manifest(args.out), str(args.out.relative_to(REPO))):
+        print(json.dumps(call))
+    return 0
+
+
+# ----------------------------------------------------------------------------- there: receive and install
+
+
+def cmd_receive(args) -> int:
+    stage = args.piece.resolve().parent
+    manifest = load_manifest(stage)
+    piece = args.piece.name
+    if piece not in manifest["pieces"]:
+        raise SystemExit(f"{piece} is not in {stage / 'manifest.json'} (pieces: {', '.join(manifest['pieces'])})")
+    recv = stage / "recv"
+    recv.mkdir(exist_ok=True)
+    bad = []
+    for entry in manifest["files"]:
+        for chunk in (c for c in entry["chunks"] if c["piece"] == piece):
+            why = check_chunk(args.piece / chunk["file"], chunk)
+            if why:
+                bad.append(f"{chunk['file']}: {why}")
+            else:
+                shutil.move(str(args.piece / chunk["file"]), recv / chunk["file"])
+    have = sorted(p for p in manifest["pieces"] if not missing_chunks(manifest, recv, p))
+    missing = [p for p in manifest["pieces"] if p not in have]
+    print(f"{piece}: " + ("; ".join(bad) if bad else "every chunk matches its sha256"))
+    print(
+        f"received {len(have)}/{len(manifest['pieces'])} pieces"
+        + (f"; missing {', '.join(missing)}" if missing else "")
+    )
+    return 1 if bad else 0
+
+
+def check_present(manifest: dict) -> list[str]:
+    """Requirements on the packages expected on this machine that its installed versions do not meet."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    notes = []
+    for name, wants in manifest["present"].items():
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            notes.append(f"{name}: not installed here (wanted by {'; '.join(wants)})")
+            continue
+        for want in wants:
+            spec = want.split(" (", 1)[0]
+            try:
+                ok = spec == "any" or SpecifierSet(spec).contains(have, prereleases=True)
+            except InvalidSpecifier:
+                ok = True
+            if not ok:
+                notes.append(f"{name} {have} does not meet {want}")
+    return notes
+
+
+def cmd_install(args) -> int:
+    t0 = time.perf_counter()
+    stage = args.out
+    manifest = load_manifest(stage)
+    recv = stage / "recv"
+    missing = [p for p in manifest["pieces"] if missing_chunks(manifest, recv, p)]
+    if missing:
+        print(f"missing pieces {', '.join(missing)}: send them again (receive), then install")
+        return 2
+    paths = reassemble(manifest, lambda c: recv / c["file"], stage / "wheels_rx")
+    for note in check_present(manifest):
+        print(f"note: {note}")
+    cmd = [sys.executable, "-m", "pip", *pip_target_args(args.target), "--no-build-isolation", "-q"]
+    proc = subprocess.run([*cmd, *map(str, paths), str(REPO)])
+    print(
+        f"installed {len(paths)} wheels and megatron-dapo into {args.target} in {time.perf_counter() - t0:.0f} s"
+        if proc.returncode == 0
+        else "pip install failed"
+    )
+    return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=STAGE, help="the staging folder (ignored by git)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    stage = sub.add_parser("stage", help="here: resolve, download, split, write the manifest")
+    stage.add_argument("--piece-mib", type=int, default=PIECE_MIB, help="largest piece, MiB")
+    sub.add_parser("verify", help="here: reassemble and check everything, pip dry run")
+    sub.add_parser("commands", help="here: print the device run calls (JSON, one per line)")
+    receive = sub.add_parser("receive", help="there: check a piece and keep it")
+    receive.add_argument("piece", type=Path)
+    install = sub.add_parser("install", help="there: reassemble, check, install with pip --target")
+    install.add_argument("--target", type=Path, default=REPO / ".gpu_site")
+    args = ap.parse_args(argv)
+    args.out = args.out.resolve()
+    run = {"stage": cmd_stage, "verify": cmd_verify, "commands": cmd_commands}
+    run.update(receive=cmd_receive, install=cmd_install)
+    return run[args.cmd](args)

@@ -1,0 +1,29 @@
+"""Wall time per named phase of a step, for the progress line and the timing/* metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class PhaseTimer:
+    """`with timer.phase("train"): ...` adds the block's seconds to timer.seconds["train"].
+
+    elapsed(): seconds since the timer was made, so time between phases still counts toward the step.
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

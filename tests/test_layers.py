@@ -1,0 +1,110 @@
+"""The import rules of docs/architecture.md: no module imports from a layer above its own.
+
+Every import counts, the ones inside functions too (a lazy import is still a dependency). The layers,
+lowest first; a module's layer is that of its first name under megatron_dapo.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAYERS = (
+    ("base", {"choices", "config", "types", "timing"}),  # leaves: the config tree and the records passed on
+    ("math", {"algorithm", "kernels"}),  # pure tensor math and its fused kernels
+    ("reward", {"reward"}),
+    ("model", {"model"}),
+    ("convert", {"convert"}),
+    ("rollout", {"rollout"}),
+    ("data", {"data"}),
+    ("entry", {"checkpoint", "trainer", "train", "demo", "cli", "evaluate", "hf_export", "preflight"}),  # wiring
+)
+LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    """{module name: (source, is a package)}, kernels/ included (installed as megatron_dapo.kernels)."""
+    sources = {}
+    for root, prefix in ((REPO / "megatron_dapo", "megatron_dapo"), (REPO / "kernels", "megatron_dapo.kernels")):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            sources[".".join((prefix, *parts[: len(parts) - is_package]))] = (path.read_text(), is_package)
+    return sources
+
+
+def imported_modules(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """megatron_dapo modules that source imports anywhere (function bodies included), relative imports resolved.
+
+    `from a.b import c` imports a.b, and a.b.c too when that is a module of `known`.
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names} & known
+    return {m for m in out if m.startswith("megatron_dapo.")}
+
+
+def layer(module: str) -> int:
+    """The layer of a megatron_dapo module: that of its first name under the package."""
+    name = module.split(".")[1]
+    if name not in LAYER_OF:
+        raise KeyError(f"{module}: its first name {name!r} is in no layer (add it to LAYERS and the docs)")
+    return LAYER_OF[name]
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """'importer -> imported (layer imports higher layer)' for every upward import, sorted."""
+    found = []
+    for module, (source, is_package) in sources.items():
+        if module == "megatron_dapo":  # the root's __init__ belongs to no layer
+            continue
+        mine = layer(module)
+        for target in sorted(imported_modules(module, source, is_package, set(sources))):
+            if (theirs := layer(target)) > mine:
+                found.append(f"{module} -> {target} ({LAYERS[mine][0]} imports {LAYERS[theirs][0]})")
+    return found
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, tuple[str, bool]]:
+    return package_sources()
+
+
+def test_every_module_has_a_layer(sources):
+    assert len(sources) > 30
+    for module in sources:
+        if module != "megatron_dapo":
+            layer(module)
+
+
+def test_no_module_imports_from_a_layer_above_it(sources):
+    assert violations(sources) == []
+
+
+def test_the_rule_catches_an_upward_import_even_inside_a_function():
+    old_config = (
+        "from megatron_dapo.choices import DTYPES\n"
+        "def validate():\n"
+        "    from megatron_dapo.kernels import LOSS_IMPLS\n"
+        "    from megatron_dapo.data.datasets import DATASET_FORMATS\n"
+    )
+    assert violations({"megatron_dapo.config": (old_config, False)}) == [
+        "megatron_dapo.config -> megatron_dapo.data.datasets (base imports data)",
+        "megatron_dapo.config -> megatron_dapo.kernels (base imports math)",
+    ]
+    assert (
+        violations({"megatron_dapo.trainer": ("import megatron_dapo.model.policy\n", False)}) == []
+    )  # downward is fine
+    with pytest.raises(KeyError, match="'newfolder' is in no layer"):
+        violations({"megatron_dapo.newfolder.x": ("import os\n", False)})
