@@ -9,8 +9,11 @@ from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
 
 @pytest.mark.parametrize(
     "nproc, overrides",
-    [(1, []), (2, ["parallel.tp=2"]), (2, [])],
-    ids=["single", "tp2", "dp2-distributed-optimizer"],
+    [
+        pytest.param(1, [], id="single"),
+        pytest.param(2, ["parallel.tp=2"], id="tp2", marks=pytest.mark.slow),
+        pytest.param(2, [], id="dp2-distributed-optimizer", marks=pytest.mark.slow),
+    ],
 )
 def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoint(tmp_path, nproc, overrides):
     case = save_case(tiny_hf_model("qwen2", seed=5, vocab_size=250), random_batch(8, 16, 250, seed=4), tmp_path / "c")

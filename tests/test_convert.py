@@ -85,6 +85,7 @@ def hf_back(megatron_ckpts, workdir) -> dict[tuple[str, int], Path]:
 # ---------------------------------------------------------------- round trips
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_round_trip_is_bit_exact(case, hf_models, hf_back):
     src, model = hf_models[case[0]]
@@ -102,6 +103,7 @@ def test_round_trip_is_bit_exact(case, hf_models, hf_back):
     assert not (hf_back[case] / "megatron_dapo.json").exists()
 
 
+@pytest.mark.slow
 def test_sharded_output_has_an_index(hf_back):
     sharded, single = hf_back[("llama", 2)], hf_back[("qwen2", 1)]
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
@@ -111,6 +113,7 @@ def test_sharded_output_has_an_index(hf_back):
     assert (single / "model.safetensors").is_file() and not (single / "model.safetensors.index.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [("qwen2", 2), ("llama", 2)], ids=_case_id)
 def test_transformers_loads_the_result(case, hf_models, hf_back):
     from transformers import AutoModelForCausalLM
@@ -123,6 +126,7 @@ def test_transformers_loads_the_result(case, hf_models, hf_back):
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
 
 
+@pytest.mark.slow
 def test_megatron_logits_match_transformers(hf_models, megatron_ckpts, workdir):
     tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
     logits = megatron_logits([path for path, _ in megatron_ckpts.values()], tokens, workdir / "logits.pt")
@@ -132,6 +136,7 @@ def test_megatron_logits_match_transformers(hf_models, megatron_ckpts, workdir):
         torch.testing.assert_close(logits[str(path)], expected, atol=1e-5, rtol=0, msg=f"{family} saved at tp={tp}")
 
 
+@pytest.mark.slow
 def test_checkpoint_directory(hf_models, megatron_ckpts):
     path, stdout = megatron_ckpts[("llama", 2)]
     meta = json.loads((path / "megatron_dapo.json").read_text())
@@ -189,6 +194,7 @@ def test_a_training_run_converts_to_the_weights_its_checkpoint_holds(training_ru
     assert not (out / "megatron_dapo.json").exists()
 
 
+@pytest.mark.slow
 def test_which_training_step_is_converted_and_refusals(training_run, hf_models, megatron_ckpts, tmp_path):
     run, _ = training_run
     src = hf_models["qwen2"][0]
@@ -245,6 +251,7 @@ def _fails(tool: str, *args: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow
 def test_refuses_a_non_empty_output_without_force(hf_models, megatron_ckpts, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -138,6 +138,7 @@ def megatron_ckpt(model_dir, work) -> Path:
     return ckpt
 
 
+@pytest.mark.slow
 def test_megatron_checkpoint_from_parquet_gives_the_same_results(megatron_ckpt, problems, sampled, work):
     import pyarrow as pa
     import pyarrow.parquet as pq

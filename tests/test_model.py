@@ -43,12 +43,11 @@ def hf_reference(model, batch: list[dict], temperature: float) -> list[dict[str,
 @pytest.mark.parametrize(
     "family, tied, nproc, overrides",
     [
-        ("qwen2", False, 1, []),
-        ("llama", True, 1, []),
-        ("qwen2", False, 2, ["parallel.tp=2"]),
-        ("llama", True, 2, ["parallel.pp=2"]),
+        pytest.param("qwen2", False, 1, [], id="qwen2"),
+        pytest.param("llama", True, 1, [], id="llama-tied", marks=pytest.mark.slow),
+        pytest.param("qwen2", False, 2, ["parallel.tp=2"], id="qwen2-tp2", marks=pytest.mark.slow),
+        pytest.param("llama", True, 2, ["parallel.pp=2"], id="llama-tied-pp2", marks=pytest.mark.slow),
     ],
-    ids=["qwen2", "llama-tied", "qwen2-tp2", "llama-tied-pp2"],
 )
 def test_logprobs_and_entropy_match_transformers(tmp_path, family, tied, nproc, overrides):
     model = tiny_hf_model(family, seed=3, vocab_size=VOCAB, tied=tied)

@@ -89,6 +89,7 @@ def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, tmp_p
     assert_same(reference, got, "dp2 x 2 micro-batches")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, tied, layers, overrides",
     [

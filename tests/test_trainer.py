@@ -435,6 +435,7 @@ def _ends_with_nothing_left(proc: subprocess.Popen, timeout: float) -> tuple[str
     return out, err
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_are_all_damaged_exits_at_once_with_one_line(two_steps, tmp_path):
     """The reward pool and the engine are up when the checkpoints fail to load: all of it must go, promptly."""
     overrides, run, _ = two_steps
@@ -481,6 +482,7 @@ def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
     cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

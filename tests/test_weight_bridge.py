@@ -10,12 +10,12 @@ from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
 @pytest.mark.parametrize(
     "family, tied, nproc, overrides",
     [
-        ("qwen2", False, 1, []),
-        ("qwen2", False, 2, ["parallel.tp=2"]),
-        ("llama", True, 2, ["parallel.pp=2"]),
-        ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 matrices next to fp32 norms
+        pytest.param("qwen2", False, 1, [], id="tp1"),
+        pytest.param("qwen2", False, 2, ["parallel.tp=2"], id="tp2", marks=pytest.mark.slow),
+        pytest.param("llama", True, 2, ["parallel.pp=2"], id="pp2-tied", marks=pytest.mark.slow),
+        # bf16 matrices next to fp32 norms
+        pytest.param("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"], id="pp2-bf16", marks=pytest.mark.slow),
     ],
-    ids=["tp1", "tp2", "pp2-tied", "pp2-bf16"],
 )
 def test_bridge_streams_the_hf_state_dict(tmp_path, family, tied, nproc, overrides):
     model = tiny_hf_model(family, seed=9, vocab_size=250, tied=tied)
@@ -42,6 +42,7 @@ def test_a_tensor_larger_than_a_bucket_is_a_clear_error(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_sync_memory_stays_within_a_bucket_plus_the_largest_tensor(tmp_path, monkeypatch):
     """Measured from the peak resident set of TP rank 0: the sync must never materialise the model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
