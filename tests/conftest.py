@@ -10,5 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: ~12 s or more on 2 cores (its module fixtures counted); `make test` runs it, `make test-fast` does not"
+        "markers",
+        "slow: ~12 s or more on 2 cores (its module fixtures counted); `make test` runs it, `make test-fast` does not",
     )
