@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint demo clean
+.PHONY: install test test-fast test-slurm slurm-packages lint demo clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,24 @@ install: $(STAMP)
 # own subprocesses, so a worker is mostly waiting on them and two fit two cores
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test: $(STAMP)
+test: $(STAMP) slurm-packages
 	$(PYTEST) tests
 
 test-fast: $(STAMP)  # everything but the end-to-end runs marked slow
 	$(PYTEST) -m "not slow" tests
+
+# The sbatch scripts under a real Slurm (tests/test_slurm_cluster.py): a private two-node cluster on this
+# machine, tests/slurm/cluster.sh. Best effort: as root with apt-get, the Debian packages are installed when
+# missing; anywhere else the tests are skipped and say why.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+APT := DEBIAN_FRONTEND=noninteractive apt-get -y -q
+slurm-packages:
+	@if [ ! -x /usr/sbin/slurmd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		$(APT) install $(SLURM_PACKAGES) >/dev/null || ($(APT) update >/dev/null && $(APT) install $(SLURM_PACKAGES) >/dev/null) || \
+		echo "note: could not install $(SLURM_PACKAGES): the Slurm tests will be skipped"; fi
+
+test-slurm: $(STAMP) slurm-packages
+	$(BIN)/python -m pytest -q tests/test_slurm_cluster.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check megatron_dapo kernels tools tests

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,25 +103,31 @@ class StopSignals:
     """SIGTERM/SIGUSR1: during a step, finish it, save and exit 0; at start-up or a second time, leave now.
 
     Leaving raises SystemExit in the main thread, so every `finally` closes the reward workers, the engine
-    and the process groups; the reward pool also kills its workers at interpreter exit.
+    and the process groups; the reward pool also kills its workers at interpreter exit. The same signal again
+    within DUPLICATE_S seconds is the same request delivered twice, not a second one: under Slurm, slurmstepd
+    signals every process of the step and torchrun forwards the signal to its workers as well.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    DUPLICATE_S = 5.0
 
     def __init__(self) -> None:
         self.name: str | None = None
+        self.at = 0.0  # time.monotonic() of the first signal
         self.running = False
         self.phase = "start-up"
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if not self.running or self.name is not None:
-            raise SystemExit(
-                f"{name}: stopping now ({'again' if self.name else f'during {self.phase}'}), nothing saved"
-            )
-        self.name = name
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if name == self.name and now - self.at < self.DUPLICATE_S:
+            return
+        again = self.name is not None
+        if not again:
+            self.name, self.at = name, now
+        if not self.running or again:
+            raise SystemExit(f"{name}: stopping now ({'again' if again else f'during {self.phase}'}), nothing saved")
 
 
 def train(config: str | None, overrides: list[str]) -> None:

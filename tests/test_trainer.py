@@ -498,3 +498,40 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
         assert lines[0].startswith("error: ") and message in lines[0], lines
     proc = subprocess.run([*cmd, "--debug"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_stop_signals_count_a_duplicate_delivery_once():
+    """Slurm signals every process of the step and torchrun forwards the same signal: one request, one save.
+
+    The same signal within DUPLICATE_S is ignored; after it, or a different signal, leaves at once; at start-up
+    the first one leaves and its duplicate does not raise again during the clean-up.
+    """
+    import signal
+
+    from megatron_dapo.train import StopSignals
+
+    before = {s: signal.getsignal(s) for s in StopSignals.SIGNALS}
+    try:
+        stop = StopSignals()
+        stop.running = True
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the forwarded copy
+        assert stop.name == "SIGUSR1"
+        stop.at -= StopSignals.DUPLICATE_S  # later: a second request
+        with pytest.raises(SystemExit, match=r"SIGUSR1: stopping now \(again\), nothing saved"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+        stop = StopSignals()
+        stop.running = True
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(SystemExit, match=r"SIGTERM: stopping now \(again\)"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        stop = StopSignals()  # start-up
+        with pytest.raises(SystemExit, match=r"SIGTERM: stopping now \(during start-up\)"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # its duplicate, during the clean-up: ignored
+        assert stop.name == "SIGTERM"
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

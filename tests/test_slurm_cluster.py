@@ -1,0 +1,311 @@
+"""The sbatch scripts under a real Slurm: a private single-node cluster (tests/slurm/cluster.sh), jobs submitted
+with `sbatch` as a user types them (only the node count, and for the tiny CPU run the processes per node, differ
+from the 32B recipe), signals sent with `scancel`, states read with `scontrol`.
+
+Skipped when Slurm is absent or we are not root; `make test-slurm` installs the Debian packages and runs this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.data.generator import generate_rows, write_jsonl
+from megatron_dapo.model.tiny import build_tiny_qwen2
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+DAEMONS = ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd")
+pytestmark = [
+    pytest.mark.skipif(
+        not all(Path(d).exists() for d in DAEMONS) or shutil.which("sbatch") is None or os.geteuid() != 0,
+        reason="Slurm is absent (munged, slurmctld, slurmd, sbatch) or not root: `make test-slurm` installs and runs it",
+    ),
+    pytest.mark.slow,
+]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running private cluster; yields the environment that talks to it. Afterwards no job or daemon is left."""
+    root = tmp_path_factory.mktemp("slurm")
+    start = subprocess.run(
+        ["bash", str(TESTS / "slurm" / "cluster.sh"), "start", str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf"), "OMP_NUM_THREADS": "1"}
+    try:
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+        pids = [int(f.read_text()) for f in root.glob("*.pid")]  # munged, slurmctld and two slurmd
+        subprocess.run(["bash", str(TESTS / "slurm" / "cluster.sh"), "stop", str(root)], timeout=120, check=True)
+        left = [p for p in pids if Path(f"/proc/{p}").exists()]
+        assert not left, f"daemons still running: {left}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HOST = socket.gethostname().split(".")[0]  # the cluster's first node; the second, HOST-2, has no address of its own
+
+
+def submit(env: dict, cwd: Path, script: str, *args: str, nodes: int = 1, **variables: str) -> str:
+    """sbatch --parsable SCRIPT ARGS from cwd, with variables added to the job's environment; returns the job id.
+
+    One node: HOST, whose name resolves (a training job's rendezvous address is its first node's name).
+    """
+    where = ["--nodes=1", f"--nodelist={HOST}"] if nodes == 1 else [f"--nodes={nodes}"]
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *where, f"--output={cwd}/%x-%j.out", str(REPO / "slurm" / script), *args],
+        cwd=cwd,
+        env={**env, "REPO_DIR": str(REPO), **variables},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job(env: dict, job_id: str) -> dict[str, str]:
+    """scontrol show job, as a dict (JobState, Restarts, ExitCode, Reason, ...)."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job_id], env=env, capture_output=True, text=True, timeout=30
+    ).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def wait_for(env: dict, job_id: str, states: set[str], timeout: float = 600) -> dict[str, str]:
+    """Poll until the job is in one of states (a requeued job waits out its old credential first: 10 s here)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job(env, job_id)
+        if info.get("JobState") in states:
+            return info
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {info}")
+
+
+def wait_until(predicate, timeout: float = 300, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "step")
+
+
+def comparable(m: dict) -> dict:
+    """What a resumed run must reproduce: not times, not bytes moved."""
+    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
+
+
+def batch_log(run: Path, job_id: str, attempt: int = 0) -> str:
+    return (run / "logs" / job_id / f"attempt_{attempt}" / "batch.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """The tiny model and addition problems, and the training variables and overrides of a 6-step CPU run."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = build_tiny_qwen2(root / "model", seed=0)
+    data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    variables = {
+        "MODEL_PATH": str(model),
+        "DATA_PATH": str(data),
+        "VAL_PATH": "none",
+        "CONFIG": "examples/tiny_cpu.yaml",
+        "GPUS_PER_NODE": "1",  # processes per node: one CPU process
+        "SAVE_GRACE_S": "300",
+        "PYTHONPATH": str(TESTS),  # reward_helpers, for the verifier's workers
+    }
+    overrides = [
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "reward.verifier=reward_helpers:one_in_four",  # informative groups at random: dynamic sampling at work
+        "sampler.train_batch_size=4",
+        "sampler.engine_sequences=40",
+        "sampler.tick_steps=2",
+        "optim.mini_batch_size=8",
+        "optim.lr=1e-3",
+        f"trainer.total_steps={STEPS}",
+        "trainer.save_every=0",  # only the end, or a stop signal, saves
+        "trainer.tensorboard=false",
+    ]
+    return {"root": root, "variables": variables, "overrides": overrides, "model": model, "data": data}
+
+
+def train_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int = 1, **variables: str) -> str:
+    run.parent.mkdir(parents=True, exist_ok=True)
+    return submit(
+        cluster,
+        run.parent,
+        "train_qwen32b.sh",
+        *tiny["overrides"],
+        *extra,
+        nodes=nodes,
+        **{**tiny["variables"], "RUN_DIR": str(run), "RDZV_PORT": str(_free_port()), **variables},
+    )
+
+
+@pytest.fixture(scope="module")
+def finished(cluster, tiny) -> tuple[Path, str]:
+    """An uninterrupted job: (run directory, job id)."""
+    run = tiny["root"] / "jobs" / "full"
+    job_id = train_job(cluster, tiny, run)
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert info["JobState"] == "COMPLETED", (info, (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()[-3000:])
+    return run, job_id
+
+
+def test_a_job_runs_to_completed(cluster, finished):
+    run, job_id = finished
+    info = job(cluster, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0")
+    assert (run / "FINISHED").read_text().strip() == str(STEPS)
+    assert [m["step"] for m in metrics(run)] == [float(s) for s in range(1, STEPS + 1)]
+    assert f"run finished at step {STEPS}" in batch_log(run, job_id)
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+
+
+def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, nodes: int = 1) -> None:
+    """Start a job, USR1 its batch shell after the first step, and check the requeued attempt against reference."""
+    job_id = train_job(cluster, tiny, run, nodes=nodes)
+    wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), info
+    first = batch_log(run, job_id, 0)
+    assert "got SIGUSR1" in first and "requeueing job" in first, first
+    saved = int(first.split("saved step_")[1].split()[0])
+    assert 1 <= saved < STEPS, first
+    assert f"latest checkpoint: step_{saved:08d}" in batch_log(run, job_id, 1)
+    got = [comparable(m) for m in metrics(run)]
+    assert [m["step"] for m in got] == [float(s) for s in range(1, STEPS + 1)]  # each step once
+    assert got == [comparable(m) for m in metrics(reference)]
+
+
+def test_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, finished):
+    usr1_requeue(cluster, tiny, tiny["root"] / "jobs" / "usr1", reference=finished[0])
+
+
+def test_two_nodes_one_process_each_and_a_usr1_requeue(cluster, tiny):
+    """Two slurmd on this machine: a 2-node job, one torchrun per node, data parallel 2 over gloo."""
+    full = tiny["root"] / "jobs" / "two_nodes_full"
+    job_id = train_job(cluster, tiny, full, nodes=2)
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == f"{HOST},{HOST}-2", info
+    assert [m["step"] for m in metrics(full)] == [float(s) for s in range(1, STEPS + 1)]
+    logs = [(full / "logs" / job_id / "attempt_0" / f"node{n}.log").read_text() for n in (0, 1)]
+    assert all("[default0]:" in log for log in logs)  # one agent per node, each with its one worker
+    assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
+    usr1_requeue(cluster, tiny, tiny["root"] / "jobs" / "two_nodes_usr1", reference=full, nodes=2)
+
+
+def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):
+    """USR1 while the trainer is still starting: nothing can be saved, so no requeue and a non-zero exit."""
+    run = tiny["root"] / "jobs" / "usr1_early"
+    job_id = train_job(cluster, tiny, run)
+    wait_until(lambda: (run / "logs" / job_id / "attempt_0" / "node0.log").is_file(), what="the job step")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "1:0", "0"), info
+    assert "no checkpoint was saved in this job" in batch_log(run, job_id) and not (run / "checkpoints").exists()
+
+
+def test_usr2_saves_and_ends_without_requeue(cluster, tiny):
+    run = tiny["root"] / "jobs" / "usr2"
+    job_id = train_job(cluster, tiny, run)
+    wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=cluster, check=True, timeout=30)
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), info
+    log = batch_log(run, job_id)
+    assert "stopped by SIGUSR2 after saving" in log and not (run / "FINISHED").exists()
+    assert 1 <= len(metrics(run)) < STEPS and (run / "checkpoints" / "latest").is_file()
+
+
+def test_scancel_sigterm_saves_within_the_grace_and_is_not_requeued(cluster, tiny):
+    run = tiny["root"] / "jobs" / "sigterm"
+    job_id = train_job(cluster, tiny, run)
+    wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
+    subprocess.run(["scancel", job_id], env=cluster, check=True, timeout=30)  # SIGTERM to every process
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
+    wait_until(lambda: "terminated by SIGTERM" in batch_log(run, job_id), timeout=60, what="the batch log line")
+    latest = (run / "checkpoints" / "latest").read_text().strip()  # a tiny step fits KillWait's 30 s
+    assert latest == f"step_{len(metrics(run)):08d}", (latest, len(metrics(run)))
+
+
+@pytest.mark.parametrize("failure", ["bad_data_path", "crash_mid_run"])
+def test_a_failing_run_exits_nonzero_and_is_never_requeued(cluster, tiny, failure):
+    run = tiny["root"] / "jobs" / failure
+    if failure == "bad_data_path":
+        job_id = train_job(cluster, tiny, run, DATA_PATH=str(tiny["root"] / "missing.jsonl"))
+    else:
+        job_id = train_job(cluster, tiny, run, "sampler.filter=reward_helpers:crashes_after_twenty_groups")
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0" and info["ExitCode"] != "0:0", info
+    out = (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()
+    if failure == "bad_data_path":
+        assert f"error: DATA_PATH={tiny['root'] / 'missing.jsonl'}: no such file" in out, out[-2000:]
+    else:
+        assert "without a stop signal: not requeued" in batch_log(run, job_id)
+        assert "planned crash in the 21st group" in (run / "logs" / job_id / "attempt_0" / "node0.log").read_text()
+
+
+def test_convert_and_eval_jobs(cluster, tiny):
+    work = tiny["root"] / "jobs" / "convert"
+    work.mkdir(parents=True)
+    mcore = work / "mcore"
+    job_id = submit(
+        cluster, work, "convert_checkpoint.sh", "hf-to-megatron", "--hf", str(tiny["model"]), "--out", str(mcore)
+    )
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "COMPLETED", (work / f"dapo-convert-{job_id}.out").read_text()[-3000:]
+    assert (mcore / "megatron_dapo.json").is_file()
+    results = work / "eval.jsonl"
+    job_id = submit(
+        cluster,
+        work,
+        "eval.sh",
+        "--max-tokens",
+        "8",
+        "--verifier",
+        "reward_helpers:one_in_four",
+        "reward.num_workers=1",
+        MODEL_PATH=str(mcore),
+        EVAL_DATA=str(tiny["data"]),
+        EVAL_OUT=str(results),
+        K="2",
+        TP="1",  # vLLM on CPU: one process
+        PYTHONPATH=str(TESTS),
+    )
+    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+    out = (work / f"dapo-eval-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out[-3000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert len(rows) == 64 and all(len(r["responses"]) == 2 for r in rows)
+    assert "avg@2 " in out and "64 problems, 128 responses" in out
