@@ -276,10 +276,18 @@ def test_train_bad_input_is_named(job, change, args, message):
     assert p.stderr.startswith(f"error: {message}"), p.stderr
 
 
-def test_train_without_scontrol_says_so(job):
-    env = dict(job["env"], PATH=os.pathsep.join(d for d in job["env"]["PATH"].split(os.pathsep) if "fake" not in d))
-    if shutil.which("scontrol", path=env["PATH"]):
-        pytest.skip("a real scontrol is on PATH")
+def test_train_without_scontrol_says_so(job, tmp_path):
+    # a PATH of every command but scontrol (a real Slurm may be installed beside the fake one)
+    bare = tmp_path / "no_scontrol"
+    bare.mkdir()
+    for d in job["env"]["PATH"].split(os.pathsep):
+        if "fake" in d or not Path(d).is_dir():
+            continue
+        for exe in Path(d).iterdir():
+            if exe.name != "scontrol" and not (bare / exe.name).exists():
+                (bare / exe.name).symlink_to(exe)
+    env = dict(job["env"], PATH=str(bare))
+    assert shutil.which("scontrol", path=env["PATH"]) is None
     p = run("train_qwen32b.sh", "--dry-run", env=env)
     assert p.returncode == 2
     assert p.stderr.startswith("error: scontrol not found on PATH: it expands SLURM_JOB_NODELIST"), p.stderr
