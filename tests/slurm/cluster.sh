@@ -12,7 +12,8 @@
 # so a two-node job's rendezvous address works. Each offers half the machine's CPUs (at least one), half its
 # memory and 8 GPUs that are empty files (no driver), so the scripts' `#SBATCH --gpus-per-node=8` is accepted
 # as a user types it. Job credentials expire after 10 s (Slurm's default 120 s is also how long a requeued job
-# waits before it may start again on the node that revoked its old credential).
+# waits before it may start again on the node that revoked its old credential), and the scheduler looks at
+# pending jobs every 2 s (default 60): a requeued job starts again about 20 s after it stopped.
 set -euo pipefail
 
 die() { echo "error: cluster.sh: $*" >&2 && exit 1; }
@@ -86,6 +87,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 GresTypes=gpu
