@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_helpers import comparable, metrics
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 from megatron_dapo.model.tiny import build_tiny_qwen2
@@ -105,19 +106,6 @@ def wait_until(predicate, timeout: float = 300, what: str = "") -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-
-
-DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "step")
-
-
-def comparable(m: dict) -> dict:
-    """What a resumed run must reproduce: not times, not bytes moved."""
-    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
 
 
 def batch_log(run: Path, job_id: str, attempt: int = 0) -> str:

@@ -3,7 +3,6 @@ one process and data parallel over two."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import comparable, metrics
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
@@ -118,18 +118,6 @@ def _train(overrides: list[str], nproc: int = 1, **env_vars: str) -> subprocess.
     return proc
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
-
-
-def _comparable(m: dict) -> dict:
-    """The metrics a rerun must reproduce: not times, and not bytes moved between ranks (they depend on the layout)."""
-    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
-
-
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2.
@@ -167,7 +155,7 @@ def two_steps(tmp_path_factory):
 
 def test_two_rollout_steps_end_to_end(two_steps):
     _, run, proc = two_steps
-    lines = _metrics(run)
+    lines = metrics(run)
     assert [m["step"] for m in lines] == [1.0, 2.0]
     for m in lines:
         assert m["trainer/updates"] == 2 and m["sampler/groups_generated"] == 4  # 16 responses / 8 per update
@@ -200,10 +188,10 @@ def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tm
     run = tmp_path / "dp2"
     proc = _train([*overrides, f"trainer.run_dir={run}"], nproc=2)
     assert proc.stdout.count("step 2 | reward") == 1  # rank 0 alone reports
-    assert all(m["sampler/bytes_moved"] == 0 for m in _metrics(ref_run))
+    assert all(m["sampler/bytes_moved"] == 0 for m in metrics(ref_run))
     # the summaries reach both ranks; here each DP rank's share happens to come from its own engine (tested apart)
-    assert all(m["sampler/bytes_gathered"] > 0 for m in _metrics(run))
-    want, got = [_comparable(m) for m in _metrics(ref_run)], [_comparable(m) for m in _metrics(run)]
+    assert all(m["sampler/bytes_gathered"] > 0 for m in metrics(run))
+    want, got = [comparable(m) for m in metrics(ref_run)], [comparable(m) for m in metrics(run)]
     assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
     for w, g in zip(want, got):
         assert g.keys() == w.keys()
@@ -221,7 +209,7 @@ def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tm
     shutil.copytree(run / "checkpoints" / "step_00000001", resumed / "checkpoints" / "step_00000001")
     proc = _train([*overrides, f"trainer.run_dir={resumed}"], nproc=2)
     assert "resumed from step 1" in proc.stderr
-    assert [_comparable(m) for m in _metrics(resumed)] == got[1:]
+    assert [comparable(m) for m in metrics(resumed)] == got[1:]
 
 
 def test_a_nan_loss_skips_the_update(tmp_path):
@@ -299,7 +287,7 @@ def uninterrupted(tmp_path_factory):
         full = root / "full"
         done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
-        lines = _metrics(full)
+        lines = metrics(full)
         assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0]
         runs[partial] = cmd, env, lines
         return runs[partial]
@@ -315,7 +303,7 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrup
     import time
 
     cmd, env, lines = uninterrupted(partial)
-    want = [_comparable(m) for m in lines]
+    want = [comparable(m) for m in lines]
     key = "sampler/paused" if partial else "sampler/requeued"
     assert sum(m[key] for m in lines) > 0  # the checkpoints hold groups in flight / requeued prompts
     if partial:
@@ -334,7 +322,7 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrup
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from step 2" in resumed.stderr
-    got = [_comparable(m) for m in _metrics(cut)]
+    got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]  # each step once: lines past the checkpoint dropped
     assert got == want
 
@@ -345,7 +333,7 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterru
     import time
 
     cmd, env, lines = uninterrupted(False)
-    want = [_comparable(m) for m in lines]
+    want = [comparable(m) for m in lines]
     cut = tmp_path / "cut"
     proc = subprocess.Popen(
         [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0"],
@@ -361,14 +349,14 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterru
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
     assert "SIGTERM: saved" in out
-    stopped_at = int(_metrics(cut)[-1]["step"])
+    stopped_at = int(metrics(cut)[-1]["step"])
     assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
     assert len(list((cut / "checkpoints").glob("step_*"))) == 1  # the signal's save only (save_every=0)
     assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
 
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    got = [_comparable(m) for m in _metrics(cut)]
+    got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
     assert got == want  # step for step, the same as the run that was never interrupted
     assert (cut / "FINISHED").read_text().strip() == "4"
@@ -393,7 +381,7 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
     _train(overrides, nproc=2, PYTHONPATH=str(Path(__file__).parent))  # the verifier module, for every worker
-    lines = _metrics(tmp_path / "run")
+    lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
     assert sum(m["sampler/bytes_moved"] for m in lines) > 0
