@@ -244,9 +244,37 @@ class SamplerConfig:
     """A user function 'package.module:function' of a Group (prompt, responses, scores, acc, shaped
     rewards) returning True to train on it, in place of the informative test (AReaL's dynamic_filter_fn).
     Imported and checked at start-up."""
+    skip: bool = False
+    """Prompt memory (selective rollout, after GRESO): before generating a prompt, look at its record of past
+    groups; one whose last z groups were all correct (or all wrong) is deferred to a later epoch with probability
+    1 - e^z, e the exploration probability, which adapts each step toward skip_target. Generation goes to the
+    prompts likely to be informative: less generation per trained group, at the price of sampling easy and hopeless
+    prompts less often than the dataset holds them. Off in the paper's recipe; tools/bench_sampler.py measures the
+    trade (generated tokens per trained token, generation time per step, held-out accuracy)."""
+    skip_target: float = 0.75
+    """The informative fraction of generated groups that skipping steers toward: a step below it lowers the
+    exploration probability by skip_adapt (skip more), a step above it raises it (skip less)."""
+    skip_adapt: float = 0.05
+    """How far the exploration probability moves per rollout step; it starts at 1 (no skipping)."""
+    skip_min_explore: float = 0.05
+    """The lowest exploration probability: a prompt after one uninformative group is generated with at least this
+    probability, so a skip is never certain."""
+    skip_max_consecutive: int = 4
+    """The exploration floor as a bound: a prompt deferred this many times in a row is generated the next time it
+    comes up, so every prompt is generated at least once every skip_max_consecutive + 1 epochs and a forgotten skill
+    (or a newly learnt one) is noticed."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
+        _check(0 < self.skip_target <= 1, "sampler.skip_target", self.skip_target, "a fraction in (0, 1]")
+        _check(0 < self.skip_adapt <= 1, "sampler.skip_adapt", self.skip_adapt, "a value in (0, 1]")
+        _check(0 < self.skip_min_explore <= 1, "sampler.skip_min_explore", self.skip_min_explore, "a value in (0, 1]")
+        _check(
+            self.skip_max_consecutive >= 0,
+            "sampler.skip_max_consecutive",
+            self.skip_max_consecutive,
+            "an integer >= 0 (0 = never skip)",
+        )
         _check(self.train_batch_size >= 1, "sampler.train_batch_size", self.train_batch_size, "an integer >= 1")
         _check(self.gen_batch_size >= 1, "sampler.gen_batch_size", self.gen_batch_size, "an integer >= 1")
         _check(
@@ -539,6 +567,14 @@ class Config:
                 a.tis_cap,
                 "a cap (e.g. 2.0) with sampler.partial_rollout=true: tokens sampled by an older policy are "
                 "weighted by truncated importance sampling",
+            )
+        if s.skip:
+            _check(
+                a.dynamic_sampling and s.filter is None,
+                "sampler.skip",
+                True,
+                "algorithm.dynamic_sampling=true and no sampler.filter: skipping predicts the informative test "
+                "(0 < #correct < G) from past groups",
             )
         if self.eval.every:
             _check(

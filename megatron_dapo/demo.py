@@ -31,6 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 MAX_OPERAND = 30
@@ -159,6 +160,53 @@ def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> Non
     fig.savefig(path, dpi=120)
 
 
+def compare(runs: dict[str, Path], path: Path) -> list[dict]:
+    """Demo runs side by side (each a --out directory): held-out accuracy against the demo clock, and generated
+    tokens per trained token so far against the step, in one PNG; returns one summary row per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, tok_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    rows = []
+    for label, out in runs.items():
+        summary = json.loads((out / "summary.json").read_text())
+        lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [m["step"] for m in lines]
+        generated = np.cumsum([m.get("tokens/generated", 0.0) for m in lines])
+        trained = np.cumsum([m.get("tokens/trained_total", 0.0) for m in lines])
+        acc = [a for _, a in summary["evals"]]
+        acc_ax.plot(summary["eval_seconds"], acc, "o-", label=label)
+        tok_ax.plot(steps, generated / np.maximum(trained, 1.0), label=label)
+        rows.append(
+            {
+                "run": label,
+                "steps": summary["steps"],
+                "seconds": summary["seconds"],
+                "before": summary["before"],
+                "after": summary["after"],
+                "generated_tokens": float(generated[-1]),
+                "trained_tokens": float(trained[-1]),
+                "generated_per_trained": float(generated[-1] / trained[-1]),
+                "evals": summary["evals"],
+                "eval_seconds": summary["eval_seconds"],
+            }
+        )
+    acc_ax.set_xlabel("demo clock (s)")
+    acc_ax.set_ylabel("held-out greedy accuracy")
+    acc_ax.grid(alpha=0.3)
+    acc_ax.legend(loc="lower right")
+    tok_ax.set_xlabel("rollout step")
+    tok_ax.set_ylabel("generated tokens per trained token (run so far)")
+    tok_ax.grid(alpha=0.3)
+    tok_ax.legend(loc="upper left")
+    fig.suptitle("DAPO on CPU: " + " vs ".join(runs))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/demo")
@@ -225,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     before = accuracy()
     say(f"held-out accuracy before DAPO: {before:.1%} ({len(held_prompts)} problems, greedy)")
     history, evals = [], [(0, before)]
+    eval_seconds = [time.time() - t_start]  # demo clock at each evaluation: accuracy against wall time
     try:
         while trainer.step < cfg.trainer.total_steps and time.time() - t_start < args.minutes * 60:
             try:
@@ -234,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
             if trainer.step % args.eval_every == 0:
                 evals.append((trainer.step, accuracy()))
+                eval_seconds.append(time.time() - t_start)
                 metrics["eval/held_out_greedy_acc"] = evals[-1][1]
             history.append(metrics)
             sinks.write(metrics)
@@ -242,13 +292,14 @@ def main(argv: list[str] | None = None) -> None:
                 say(f"held-out accuracy at step {trainer.step}: {evals[-1][1]:.1%}")
         if evals[-1][0] != trainer.step:
             evals.append((trainer.step, accuracy()))
+            eval_seconds.append(time.time() - t_start)
     finally:
         sinks.close()
         trainer.close()
     after = evals[-1][1]
     say(f"held-out accuracy: before {before:.1%} -> after {after:.1%} in {trainer.step} DAPO steps")
     summary = {"before": before, "after": after, "steps": trainer.step, "seconds": time.time() - t_start}
-    (out / "summary.json").write_text(json.dumps({**summary, "evals": evals}))
+    (out / "summary.json").write_text(json.dumps({**summary, "evals": evals, "eval_seconds": eval_seconds}))
     plot(history, evals, out / "demo.png")
     say(f"plot: {out / 'demo.png'}; metrics: {cfg.trainer.run_dir}/metrics.jsonl; summary: {out / 'summary.json'}")
 

@@ -423,6 +423,8 @@ def progress_line(m: dict[str, Any]) -> str:
         else:  # stream: groups generated, and the share of this step's tokens thrown away
             wasted = m["tokens/wasted"] / m["tokens/generated"] if m.get("tokens/generated") else 0.0
             generated = f"groups {int(m['sampler/groups_generated'])} wasted {wasted:.0%}"
+        if "skip/skipped" in m:  # prompt memory: prompts deferred before generation
+            generated += f" skipped {int(m['skip/skipped'])}"
         rollout = (
             f"reward {m['reward/mean']:+.3f} acc {m['reward/acc']:.3f} "
             f"informative {m['sampler/informative_frac']:.2f} {generated} | "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DETERMINISTIC = ("reward/", "sampler/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
+DETERMINISTIC = ("reward/", "sampler/", "skip/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
 
 
 def metrics(run: Path) -> list[dict]:

@@ -19,6 +19,7 @@ def test_defaults_are_the_papers():
     assert (cfg.rollout.max_response_length, a.overlong_buffer_len, a.overlong_penalty_factor) == (20480, 4096, 1.0)
     assert cfg.rollout.max_response_length - a.overlong_buffer_len == 16384
     assert cfg.sampler.train_batch_size == 512
+    assert not cfg.sampler.skip  # prompt memory changes which prompts are sampled: off in the paper's recipe
     o = cfg.optim
     assert (o.lr, o.warmup_steps, o.weight_decay, o.clip_grad) == (
         1e-6,
@@ -89,6 +90,10 @@ def test_bad_yaml_is_a_clear_error(tmp_path, yaml_text, needle):
         ("algorithm.group_size=abc", "algorithm.group_size"),
         ("reward.verifier=sympy", "reward.verifier='sympy'"),
         ("sampler.max_gen_batches=-1", "sampler.max_gen_batches=-1"),
+        ("sampler.skip_target=0", "sampler.skip_target=0.0: expected a fraction in (0, 1]"),
+        ("sampler.skip_min_explore=1.5", "sampler.skip_min_explore=1.5: expected a value in (0, 1]"),
+        ("sampler.skip_adapt=0", "sampler.skip_adapt=0.0: expected a value in (0, 1]"),
+        ("sampler.skip_max_consecutive=-1", "sampler.skip_max_consecutive=-1: expected an integer >= 0"),
     ],
 )
 def test_bad_override_is_a_clear_error(override, needle):

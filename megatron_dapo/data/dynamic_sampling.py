@@ -36,6 +36,7 @@ from typing import Any, Optional, Protocol
 from megatron_dapo.config import Config
 from megatron_dapo.data.exchange import Comm, gather_metas, gather_stopped
 from megatron_dapo.data.group_summary import GroupFilter, GroupShaping, load_group_filter, token_versions
+from megatron_dapo.data.prompt_memory import SkipPolicy
 from megatron_dapo.data.records import GroupMeta, Stopped, Submission
 from megatron_dapo.data.scheduler import DynamicSamplingError, SamplingScheduler
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
@@ -110,6 +111,7 @@ class DynamicSamplingLoader:
         shuffle: bool = True,
         seed: int = 42,
         filter_fn: Optional[GroupFilter] = None,
+        skip: Optional[SkipPolicy] = None,
     ) -> None:
         if group_size < 2:
             raise ValueError(f"algorithm.group_size={group_size}: expected an integer >= 2")
@@ -138,6 +140,7 @@ class DynamicSamplingLoader:
             dynamic_sampling=dynamic_sampling or filter_fn is not None,
             shuffle=shuffle,
             seed=seed,
+            skip=skip or SkipPolicy(),
         )
         self.group_size = group_size
         self.max_staleness = max_staleness
@@ -206,6 +209,7 @@ class DynamicSamplingLoader:
             shuffle=cfg.data.shuffle,
             seed=cfg.seed,
             filter_fn=load_group_filter(s.filter) if s.filter else None,
+            skip=SkipPolicy(s.skip, s.skip_target, s.skip_adapt, s.skip_min_explore, s.skip_max_consecutive),
         )
 
     @property

@@ -80,6 +80,9 @@ class Paused:
     """The policy version of its oldest token."""
     tokens: int
     """Tokens generated so far."""
+    predicted: bool = False
+    """Its prompt's record predicted an uninformative group (see Flight)."""
+    p_generate: float = 1.0
 
 
 @dataclass
@@ -115,3 +118,7 @@ class Flight:
     engine: int
     seed: int
     resumed: bool
+    predicted: bool = False
+    """Its prompt's record predicted an uninformative group when it came up (prompt memory): an exploration visit."""
+    p_generate: float = 1.0
+    """The probability that the skip policy let it through (weights the before-skipping informative fraction)."""

@@ -36,6 +36,12 @@ COUNTS = (
     "tokens_wasted_earlier",
     "tokens_carried",
     "tokens_paused",
+    "skipped",
+    "tokens_saved",
+    "explore_visits",
+    "explore_uninformative",
+    "ht_informative",
+    "ht_groups",
 )
 """The step's counters (StepState.counts), all starting at 0."""
 
@@ -55,6 +61,8 @@ class StepState:
     committed: int = 0
     in_step: set[int] = field(default_factory=set)
     """Prompts already in this step: none is generated twice in one step."""
+    drawn: dict[int, tuple[bool, float]] = field(default_factory=dict)
+    """Prompts drawn and not submitted yet: (predicted uninformative, probability of being generated)."""
     submitted: int = 0
     rounds: int = 0
     round_left: int = 0
@@ -65,8 +73,14 @@ class StepState:
 
     # ---------------------------------------------------------------- the batch
 
-    def count_finished(self, g: GroupMeta) -> None:
+    def count_finished(self, g: GroupMeta, predicted: bool = False, p_generate: float = 1.0) -> None:
+        """A generated group observed; predicted / p_generate: what the skip policy said of its prompt."""
         c = self.counts
+        if predicted:  # an exploration visit: did the record predict right?
+            c["explore_visits"] += 1
+            c["explore_uninformative"] += not g.informative
+        c["ht_informative"] += g.informative / p_generate  # Horvitz-Thompson: each group stands for 1/p draws
+        c["ht_groups"] += 1.0 / p_generate
         c["groups"] += 1
         c["informative"] += g.informative
         c["all_correct"] += g.num_correct == len(g.acc)
@@ -127,6 +141,22 @@ class StepState:
         return math.ceil(root * root)
 
     # ---------------------------------------------------------------- reports
+
+    def skip_stats(self, explore: float) -> dict[str, float]:
+        """Prompt memory's statistics (sampler.skip): explore is the exploration probability the step used."""
+        c = self.counts
+        stats = {
+            "skip/skipped": c["skipped"],
+            "skip/tokens_saved": c["tokens_saved"],
+            "skip/explore": explore,
+            "skip/explore_visits": c["explore_visits"],
+        }
+        if c["explore_visits"]:
+            stats["skip/precision"] = c["explore_uninformative"] / c["explore_visits"]
+        if c["groups"]:
+            stats["skip/informative_frac_before"] = c["ht_informative"] / c["ht_groups"]
+            stats["skip/informative_frac_after"] = c["informative"] / c["groups"]
+        return stats
 
     def shortfall_reason(
         self, *, num_prompts: int, mode: str, max_gen_batches: int, gen_batch_size: int, train_batch_size: int

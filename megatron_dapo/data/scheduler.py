@@ -34,6 +34,11 @@ Modes (sampler.mode):
   accepted, rejected on its own outcome, or aborted by the staleness bound alone, so over a run
   no response is kept or dropped for being short.
 
+Prompt memory (prompt_memory.py): every observed group is recorded against its prompt, and with
+sampler.skip a prompt whose record predicts an uninformative group may be deferred when it comes up in the
+queue (consumed from this epoch's pass, back in the next); the groups generated are judged exactly as
+without it.
+
 Staleness: the policy version is the number of weight syncs so far (= rollout steps trained);
 a token sampled under version v and trained at version V is V - v stale. max_staleness bounds it
 for every trained token: surplus informative groups carried to the next step and paused groups
@@ -49,6 +54,7 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron_dapo.choices import SAMPLER_MODES, SHORTFALL_POLICIES
+from megatron_dapo.data.prompt_memory import PromptMemory, SkipPolicy
 from megatron_dapo.data.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
 from megatron_dapo.data.sampling_step import StepState
 
@@ -91,6 +97,7 @@ class SamplingScheduler:
         dynamic_sampling: bool = True,
         shuffle: bool = True,
         seed: int = 42,
+        skip: Optional[SkipPolicy] = None,
     ) -> None:
         if mode not in SAMPLER_MODES:
             raise ValueError(f"sampler.mode={mode!r}: expected one of {SAMPLER_MODES}")
@@ -100,6 +107,9 @@ class SamplingScheduler:
             raise ValueError(f"sampler.partial_rollout=true needs sampler.mode=stream, not {mode!r}")
         if num_prompts < 1:
             raise ValueError("the dataset is empty: the sampler has no prompt to draw")
+        skip = skip or SkipPolicy()
+        if skip.enabled and not dynamic_sampling:
+            raise ValueError("sampler.skip=true needs dynamic sampling: without it every group is trained")
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines}: expected at least 1")
         if engine_sequences < group_size:
@@ -132,6 +142,7 @@ class SamplingScheduler:
         self.paused: list[Paused] = []
         # without dynamic sampling every group is trained: nothing to estimate
         self.informative_frac = INITIAL_INFORMATIVE_FRAC if dynamic_sampling else 1.0
+        self.memory = PromptMemory(num_prompts, group_size, skip, seed)
         # the step in progress
         self.flight: dict[int, Flight] = {}
         self._step: Optional[StepState] = None
@@ -162,9 +173,15 @@ class SamplingScheduler:
             i += 1
             if idx in st.in_step:
                 passed_over.append(idx)  # stays queued, in order, for a later step
+                continue
+            decision = self.memory.decide(idx)
+            if decision.skip:  # consumed from this epoch's pass: it comes up again in the next
+                st.counts["skipped"] += 1
+                st.counts["tokens_saved"] += decision.tokens
             else:
                 drawn.append(idx)
                 st.in_step.add(idx)
+                st.drawn[idx] = (decision.predicted, decision.p_generate)
         self.queue = passed_over + self.queue[i:]
         return drawn
 
@@ -196,7 +213,7 @@ class SamplingScheduler:
                 st.counts["groups_stale"] += 1
                 st.counts["tokens_wasted_earlier"] += p.tokens
             else:
-                self.flight[p.key] = Flight(p.key, p.index, p.engine, p.seed, resumed=True)
+                self.flight[p.key] = Flight(p.key, p.index, p.engine, p.seed, True, p.predicted, p.p_generate)
                 resumed.append(Submission(p.key, p.index, p.engine, p.seed, resume=True))
         st.counts["resumed"] = len(resumed)
         self._load = [0] * self.num_engines
@@ -269,7 +286,8 @@ class SamplingScheduler:
             key = self.next_key
             self.next_key += 1
             sub = Submission(key, idx, engine, self.group_seed(key))
-            self.flight[key] = Flight(key, idx, engine, sub.seed, resumed=False)
+            predicted, p_generate = st.drawn.pop(idx)
+            self.flight[key] = Flight(key, idx, engine, sub.seed, False, predicted, p_generate)
             st.order.append(key)
             out.append(sub)
         st.submitted += len(out)
@@ -291,11 +309,13 @@ class SamplingScheduler:
                 raise ValueError(f"engine_load has {len(engine_load)} entries for {self.num_engines} engines")
             self._load = [int(x) for x in engine_load]
         for g in sorted(groups, key=lambda g: g.key):
-            if self.flight.pop(g.key, None) is None:
+            flight = self.flight.pop(g.key, None)
+            if flight is None:
                 raise ValueError(f"group {g.key} (prompt {g.index}) was observed but is not in flight")
             if engine_load is None:
                 self._load[g.engine] -= self.group_size
-            st.count_finished(g)
+            st.count_finished(g, flight.predicted, flight.p_generate)
+            self.memory.record(g.index, self.version, g.num_correct, g.tokens / len(g.lengths))
             if self.mode == "stream" and not self.partial_rollout:
                 st.waiting[g.key] = g
             elif self.mode == "stream":
@@ -345,7 +365,9 @@ class SamplingScheduler:
             if info.first_version is None:  # never started: nothing generated, nothing lost
                 requeue.append((key, f.index))
             elif keep and v + 1 - info.first_version <= self.max_staleness:
-                self.paused.append(Paused(key, f.index, f.engine, f.seed, info.first_version, info.tokens))
+                self.paused.append(
+                    Paused(key, f.index, f.engine, f.seed, info.first_version, info.tokens, f.predicted, f.p_generate)
+                )
                 c["tokens_paused"] += info.tokens_now
             else:
                 requeue.append((key, f.index))
@@ -388,6 +410,10 @@ class SamplingScheduler:
             informative_estimate=self._informative_estimate(),
             max_staleness=self.max_staleness,
         )
+        if self.memory.policy.enabled:
+            stats |= st.skip_stats(self.memory.explore)
+            if c["groups"]:
+                self.memory.adapt(c["informative"] / c["groups"])
         self.informative_frac = self._informative_estimate()
         keep = {g.key for g in st.batch} | {g.key for g in self.carry} | {p.key for p in self.paused}
         self.version += 1
@@ -406,7 +432,7 @@ class SamplingScheduler:
         if self._step is not None:
             raise RuntimeError("state_dict() during a step: a checkpoint is taken between steps")
         return {
-            "version": 2,
+            "version": 3,
             "num_prompts": self.num_prompts,
             "seed": self.seed,
             "policy_version": self.version,
@@ -416,18 +442,22 @@ class SamplingScheduler:
             "carry": [g.to_dict() for g in self.carry],
             "paused": [asdict(p) for p in self.paused],
             "informative_frac": self.informative_frac,
+            "memory": self.memory.state_dict(),
         }
 
     def digest(self) -> int:
         """A 52-bit fingerprint of the state (exact in a float64): ranks that took the same decisions share it."""
         import hashlib
 
-        text = json.dumps(self.state_dict(), sort_keys=True)
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 12
+        state = self.state_dict()
+        del state["memory"]  # numpy arrays: hashed as bytes
+        h = hashlib.blake2b(json.dumps(state, sort_keys=True).encode(), digest_size=8)
+        self.memory.update_digest(h)
+        return int.from_bytes(h.digest(), "little") >> 12
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 2:
-            raise ValueError(f"sampler state: unknown version {state.get('version')!r}, expected 2")
+        if state.get("version") not in (2, 3):
+            raise ValueError(f"sampler state: unknown version {state.get('version')!r}, expected 3 (or 2)")
         if state["num_prompts"] != self.num_prompts:
             raise ValueError(
                 f"sampler state was saved with a dataset of {state['num_prompts']} prompts, but this dataset has "
@@ -435,6 +465,8 @@ class SamplingScheduler:
             )
         if state["seed"] != self.seed:
             raise ValueError(f"sampler state was saved with seed {state['seed']}, this run has {self.seed}")
+        if "memory" in state:  # version 2 had no prompt memory: the record starts empty
+            self.memory.load_state_dict(state["memory"])
         self.version = int(state["policy_version"])
         self.epoch = int(state["epoch"])
         self.next_key = int(state["next_key"])

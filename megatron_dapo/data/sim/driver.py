@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from megatron_dapo.data.prompt_memory import SkipPolicy
 from megatron_dapo.data.scheduler import SamplingScheduler
 from megatron_dapo.data.sim.engines import EngineModel, EnginePool
 from megatron_dapo.data.sim.workload import Workload
@@ -43,6 +44,10 @@ class RowConfig:
     engine_sequences: int = 128
     stream_margin: float = 0.0
     oracle: bool = False
+    skip: bool = False
+    """sampler.skip (prompt memory)."""
+    skip_target: float = SkipPolicy.target
+    skip_max_consecutive: int = SkipPolicy.max_consecutive
 
 
 def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[RowConfig]:
@@ -58,6 +63,16 @@ def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[
                   gen_batch_size=gen_batch_size, engine_sequences=seqs),
         RowConfig("oracle", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs, oracle=True),
     ]  # fmt: skip
+
+
+def memory_rows(gen_batch_size: int = 1536, engine_sequences: int = 128, **skip) -> list[RowConfig]:
+    """The prompt-memory table's rows: on-policy stream without and with sampler.skip (skip: its settings)."""
+    return [
+        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences),
+        RowConfig(
+            "stream+skip", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences, skip=True, **skip
+        ),
+    ]
 
 
 @dataclass
@@ -89,6 +104,12 @@ class StepRecord:
     """Longest response generated in the step (tokens)."""
     mean_running: float
     """Running sequences per engine, averaged over ticks weighted by tick time."""
+    skipped: float = 0.0
+    """Prompts deferred by the skip policy (sampler.skip)."""
+    precision: float = float("nan")
+    """Of the step's exploration visits (generated prompts the record predicted uninformative), the uninformative share."""
+    informative_frac_before: float = float("nan")
+    """The informative fraction had nothing been skipped (Horvitz-Thompson estimate; = informative_frac without skip)."""
 
 
 @dataclass
@@ -121,6 +142,11 @@ class SimResult:
             "in_flight_max": float(np.max([s.in_flight_max for s in ms])),
             "preempted_mean": float(np.mean([s.preempted for s in ms])),
             "wall_s_mean": float(np.mean([s.gen_s for s in ms])) + self.sync_s,
+            "groups_generated_mean": float(np.mean([s.groups_generated for s in ms])),
+            "skipped_mean": float(np.mean([s.skipped for s in ms])),
+            "precision": _nanmean([s.precision for s in ms]),
+            "informative_frac_before": _nanmean([s.informative_frac_before for s in ms]),
+            "trained_groups": float(sum(s.batch_groups for s in ms)),
         }
 
     def to_dict(self) -> dict:
@@ -133,6 +159,11 @@ class SimResult:
             "steps": [asdict(s) for s in self.steps],
             "summary": self.summary(),
         }
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not np.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")
 
 
 SYNC_S = 10.0
@@ -171,13 +202,14 @@ def simulate(
         engine_sequences=row.engine_sequences,
         stream_margin=row.stream_margin,
         seed=seed,
+        skip=SkipPolicy(enabled=row.skip, target=row.skip_target, max_consecutive=row.skip_max_consecutive),
     )
     pool = EnginePool(engine, num_engines, workload, tick_steps)
     round_based = row.mode in ("fill", "dynamic_bs")
     records = []
     for _ in range(warmup + steps):
         version = sched.version
-        pool.begin_version()
+        pool.begin_version(version)
         for sub in sched.begin_step():
             pool.submit(sub)
         gen_s = busy_s = prefill_s = run_s = 0.0
@@ -232,6 +264,11 @@ def simulate(
                 preempted=preempted,
                 length_max=s.get("response/length_max", 0.0),
                 mean_running=run_s / (num_engines * gen_s) if gen_s else 0.0,
+                skipped=s.get("skip/skipped", 0.0),
+                precision=s.get("skip/precision", float("nan")),
+                informative_frac_before=s.get(
+                    "skip/informative_frac_before", s.get("sampler/informative_frac", float("nan"))
+                ),
             )
         )
     wl = asdict(workload) | {"beta_a": workload.beta_a, "mu": workload.mu}

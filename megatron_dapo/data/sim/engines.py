@@ -170,6 +170,7 @@ class EnginePool:
         self.complete: list[int] = []
         """Resumed groups with nothing left to generate: reported finished by the next tick."""
         self.admissions = 0
+        self.version = 0
 
     def _grow(self) -> None:
         old = len(self.state)
@@ -178,9 +179,11 @@ class EnginePool:
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
         self.free.extend(range(2 * old - 1, old - 1, -1))
 
-    def begin_version(self) -> None:
-        """A new policy version starts generating: tokens from here on are the step's own."""
+    def begin_version(self, version: int = 0) -> None:
+        """A new policy version starts generating: tokens from here on are the step's own (and new groups are
+        drawn at its difficulty: Workload.drift)."""
         self.gen0[:] = self.gen
+        self.version = version
 
     def submit(self, sub: Submission) -> None:
         if sub.resume:
@@ -196,7 +199,7 @@ class EnginePool:
                     first = False
                     self.waiting[g.engine].append((int(s), int(self.prompt[s] + self.gen[s]), owed))
             return
-        lengths, correct, truncated = self.workload.group(sub.index, sub.seed)
+        lengths, correct, truncated = self.workload.group(sub.index, sub.seed, self.version)
         g_size = len(lengths)
         while len(self.free) < g_size:
             self._grow()

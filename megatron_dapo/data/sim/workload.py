@@ -10,6 +10,13 @@ sample is wrong (no final answer), otherwise right with probability q, independe
 Prompts: 150-450 tokens (uniform; DAPO-Math problems in their template). 17,917 prompts (DAPO-Math-17K).
 Outcomes are a function of (prompt, the group's seed, sample index): a resubmitted prompt gets new
 responses. The oracle row uses the same lengths with every group informative (p = 1).
+
+Drift (the prompt-memory rows; drift = 0 elsewhere): training makes prompts easier, so a prompt's success
+probability at policy version v is q(v) = sigmoid(logit q + drift v). Written down before any prompt-memory
+result: drift = 0.02 a step, a modelling choice rather than a measurement; it moves a prompt at q = 0.5 to
+0.60 after 20 steps and 0.69 after 40, while the U-shaped majority near 0 or 1 barely moves, so the informative
+fraction changes slowly and the all-correct share grows (bench_sampler prints the fraction it measures per row).
+A prompt never gets harder (no forgetting is modelled).
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class Workload:
     """Every group informative (p = 1), same lengths: the floor that prompt memory aims at."""
     seed: int = 0
     overlong_buffer: int = 4096
+    drift: float = 0.0
+    """Success-logit increase per policy version (module docstring); 0: every prompt's difficulty is fixed."""
 
     @cached_property
     def mu(self) -> float:
@@ -120,16 +129,25 @@ class Workload:
         """Prompt lengths in tokens, int64[num_prompts]."""
         return self._prompt_table[2]
 
-    def group(self, prompt: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(lengths int64[G], correct bool[G], truncated bool[G]) of prompt `prompt` submitted with group seed `seed`."""
-        q, z_prompt, _ = self._prompt_table
+    def success(self, prompt: int, version: int = 0) -> float:
+        """The prompt's success probability under policy version `version` (drift: module docstring)."""
+        q = float(self._prompt_table[0][prompt])
+        if self.drift == 0.0:
+            return q
+        q = min(max(q, 1e-12), 1.0 - 1e-12)
+        return 1.0 / (1.0 + math.exp(-(math.log(q / (1.0 - q)) + self.drift * version)))
+
+    def group(self, prompt: int, seed: int, version: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lengths int64[G], correct bool[G], truncated bool[G]) of prompt `prompt` submitted with group seed `seed`
+        under policy version `version`."""
+        _, z_prompt, _ = self._prompt_table
         rng = np.random.default_rng([self.seed, 1, prompt, seed])
         z = rng.standard_normal(self.group_size)
         u = rng.random(self.group_size)
         raw = np.exp(self.mu + self.sigma_prompt * z_prompt[prompt] + self.sigma_sample * z)
         lengths = np.clip(np.rint(raw), 1, self.max_len).astype(np.int64)
         truncated = lengths >= self.max_len
-        correct = (u < q[prompt]) & ~truncated  # a truncated response has no final answer
+        correct = (u < self.success(prompt, version)) & ~truncated  # a truncated response has no final answer
         if self.oracle:
             correct[0], correct[1] = True, False
         return lengths, correct, truncated
