@@ -249,8 +249,10 @@ class SamplerConfig:
     groups; one whose last z groups were all correct (or all wrong) is deferred to a later epoch with probability
     1 - e^z, e the exploration probability, which adapts each step toward skip_target. Generation goes to the
     prompts likely to be informative: less generation per trained group, at the price of sampling easy and hopeless
-    prompts less often than the dataset holds them. Off in the paper's recipe; tools/bench_sampler.py measures the
-    trade (generated tokens per trained token, generation time per step, held-out accuracy)."""
+    prompts less often than the dataset holds them (and the rest more often). It pays where outcomes persist:
+    simulated at paper scale, 1.7-1.9x less generation time per step at an informative fraction of 0.25, 1.2-1.3x
+    at 0.5. It does not pay in the CPU demo, whose outcomes barely persist: about as many tokens per trained token
+    and lower held-out accuracy (benchmarks/RESULTS.md). Off in the paper's recipe and in the demo."""
     skip_target: float = 0.75
     """The informative fraction of generated groups that skipping steers toward: a step below it lowers the
     exploration probability by skip_adapt (skip more), a step above it raises it (skip less)."""
@@ -262,7 +264,8 @@ class SamplerConfig:
     skip_max_consecutive: int = 4
     """The exploration floor as a bound: a prompt deferred this many times in a row is generated the next time it
     comes up, so every prompt is generated at least once every skip_max_consecutive + 1 epochs and a forgotten skill
-    (or a newly learnt one) is noticed."""
+    (or a newly learnt one) is noticed. Skipping makes epochs pass faster, so on a small dataset (an epoch a step)
+    these forced visits can be most of what is generated: raise it there."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""

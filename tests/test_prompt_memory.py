@@ -16,7 +16,7 @@ from scripted_engine import ScriptedEngine, make_dataset
 from test_dynamic_sampling import G, loader, same_state, torch_round_trip
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.prompt_memory import HISTORY, PromptMemory, SkipPolicy, hash_uniform
+from megatron_dapo.data.prompt_memory import HISTORY, PromptMemory, SkipPolicy, hash_uniform, persistence
 from megatron_dapo.data.scheduler import SamplingScheduler
 from megatron_dapo.reward import RewardPool
 
@@ -286,3 +286,25 @@ def test_state_save_restore_continues_exactly(pool):
     assert [strip(s) for _, s in got] == [strip(s) for _, s in want]
     assert same_state(a.state_dict(), b.state_dict())
     assert a.scheduler.digest() == b.scheduler.digest()
+
+
+def test_persistence_counts_what_followed_each_streak():
+    mem = PromptMemory(3, G)
+    # prompt 0: correct, correct, informative, correct; prompt 1: wrong, wrong, wrong, wrong, wrong (ring keeps 4)
+    for step, c in enumerate([G, G, 2, G]):
+        mem.record(0, step, c, 5.0)
+    for step, c in enumerate([0, 0, 0, 0, 0]):
+        mem.record(1, 10 + step, c, 5.0)
+    mem.record(2, 3, 1, 5.0)  # one visit: nothing follows
+    table = persistence(mem.state_dict(), G)
+    # prompt 0: after (c,1) came c [uninformative]; after (c,2) came informative; after none came c
+    # prompt 1 (visits 11..14 kept): after (w,1) w, after (w,2) w, after (w,3) w
+    assert table == {
+        ("correct", 1): (1, 1),
+        ("correct", 2): (1, 0),
+        ("none", 0): (1, 1),
+        ("wrong", 1): (1, 1),
+        ("wrong", 2): (1, 1),
+        ("wrong", 3): (1, 1),
+    }
+    assert persistence(mem.state_dict(), G, since_step=13) == {("wrong", 2): (1, 1), ("wrong", 3): (1, 1)}

@@ -343,6 +343,13 @@ def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrup
         a, b = memory(full), memory(cut)
         assert a["visits"].sum() > 0 and a.keys() == b.keys()
         assert all(np.array_equal(a[k], b[k]) for k in a if k != "explore") and a["explore"] == b["explore"]
+        tool = Path(__file__).resolve().parent.parent / "tools" / "prompt_persistence.py"
+        shown = subprocess.run(
+            [sys.executable, str(tool), str(full / "checkpoints" / "step_00000004")], capture_output=True, text=True
+        )
+        assert shown.returncode == 0, shown.stderr
+        followed = int(sum(max(0, min(int(v), 4) - 1) for v in a["visits"]))  # visits with an earlier one in the ring
+        assert shown.stdout.startswith(f"{followed} visits after an earlier one (step >= 0, G = 4)")
 
 
 @pytest.mark.slow

@@ -170,3 +170,28 @@ class PromptMemory:
         h.update(repr(self.explore).encode())
         for name in self.ARRAYS:
             h.update(np.ascontiguousarray(getattr(self, name)).tobytes())
+
+
+def persistence(state: dict[str, Any], group_size: int, since_step: int = 0) -> dict[tuple[str, int], tuple[int, int]]:
+    """How well a record predicts: for every recorded visit at step >= since_step that has an earlier visit in the
+    ring, its prompt's streak before it -> (visits, uninformative ones). Keys: ("correct" | "wrong", z) for a streak
+    of z >= 1 (3 stands for 3 or more: the ring holds 4 visits), ("none", 0) after an informative visit.
+
+    state: PromptMemory.state_dict() (as a checkpoint holds it under the loader's scheduler state).
+    """
+    out: dict[tuple[str, int], list[int]] = {}
+    for steps, correct in zip(state["step"], state["correct"]):
+        visits = sorted((int(s), int(c)) for s, c in zip(steps, correct) if s >= 0)
+        for i in range(1, len(visits)):
+            if visits[i][0] < since_step:
+                continue
+            kind, z = "none", 0
+            for _, c in reversed(visits[:i]):
+                k = "correct" if c == group_size else "wrong" if c == 0 else "none"
+                if k == "none" or (z and k != kind):
+                    break
+                kind, z = k, z + 1
+            counts = out.setdefault((kind, min(z, 3)), [0, 0])
+            counts[0] += 1
+            counts[1] += visits[i][1] in (0, group_size)
+    return {k: (v[0], v[1]) for k, v in sorted(out.items())}
