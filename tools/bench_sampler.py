@@ -187,6 +187,22 @@ def _goal_table(goals: list[dict]) -> list[str]:
     return lines
 
 
+def _simulate_row(row, workload: Workload, engine: EngineModel, args, engines: int, batch: int, steps: int,
+                  warmup: int) -> dict:  # fmt: skip
+    """One table cell's simulation (SimResult.to_dict: every step and the summary)."""
+    return simulate(
+        row,
+        engine,
+        workload,
+        num_engines=engines,
+        train_batch_size=batch,
+        steps=steps,
+        warmup=warmup,
+        tick_steps=args.tick_steps,
+        seed=args.seed,
+    ).to_dict()
+
+
 def _memory_table(regime: str, results: dict) -> list[str]:
     """Markdown table of the prompt-memory rows of one regime."""
     lines = [
@@ -235,18 +251,7 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
                 workload = Workload(
                     p=p, mean_len=REGIMES[regime], seed=args.seed, drift=args.drift, num_prompts=prompts
                 )
-                res = simulate(
-                    row,
-                    engine,
-                    workload,
-                    num_engines=engines,
-                    train_batch_size=batch,
-                    steps=steps,
-                    warmup=warmup,
-                    tick_steps=args.tick_steps,
-                    seed=args.seed,
-                )
-                results[regime][p][row.name] = res.to_dict()
+                results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, batch, steps, warmup)
             r = results[regime][p]
             ratio = r["stream"]["summary"]["gen_s_mean"] / r["stream+skip"]["summary"]["gen_s_mean"]
             name = f"stream / stream+skip generation s per step, {regime}, p={p}"
@@ -288,18 +293,9 @@ def run_sim(args: argparse.Namespace) -> dict:
                     all_results[regime][p][row.name] = all_results[regime][args.p[0]][row.name]
                     continue
                 workload = Workload(p=p, mean_len=mean_len, oracle=row.oracle, seed=args.seed)
-                res = simulate(
-                    row,
-                    engine,
-                    workload,
-                    num_engines=engines,
-                    train_batch_size=batch,
-                    steps=steps,
-                    warmup=warmup,
-                    tick_steps=args.tick_steps,
-                    seed=args.seed,
+                all_results[regime][p][row.name] = _simulate_row(
+                    row, workload, engine, args, engines, batch, steps, warmup
                 )
-                all_results[regime][p][row.name] = res.to_dict()
             print(f"  {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
     goals = _goals(all_results)
