@@ -152,11 +152,7 @@ def by_prompt(outcome):
 
 
 def run_steps(ds, steps):
-    out = []
-    for _ in range(steps):
-        b = ds.next_batch()
-        out.append(b)
-    return out
+    return [ds.next_batch() for _ in range(steps)]
 
 
 def test_every_prompt_is_generated_within_the_floor_when_everything_is_predicted_uninformative(pool):

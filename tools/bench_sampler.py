@@ -232,8 +232,7 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
     rows = memory_rows(
         gen_batch_size=3 * batch,
         engine_sequences=args.engine_sequences,
-        skip_target=args.skip_target,
-        skip_max_consecutive=args.skip_max_consecutive,
+        skip=SkipPolicy(True, target=args.skip_target, max_consecutive=args.skip_max_consecutive),
     )
     print(
         f"\nprompt memory: {engines} engines, {batch} x {GROUP} per step, {prompts} prompts, drift {args.drift} a "

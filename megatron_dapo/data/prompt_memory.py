@@ -47,6 +47,16 @@ def hash_uniform(seed: int, prompt: int, draw: int) -> float:
     return (x >> 11) / float(1 << 53)
 
 
+def next_streak(z: int, num_correct: int, group_size: int) -> int:
+    """The streak after a visit with num_correct of group_size right: +z all-correct in a row, -z all-wrong, 0 after an
+    informative group."""
+    if num_correct == group_size:
+        return z + 1 if z > 0 else 1
+    if num_correct == 0:
+        return z - 1 if z < 0 else -1
+    return 0
+
+
 @dataclass(frozen=True)
 class SkipPolicy:
     """sampler.skip and its settings, defaults from the config (megatron_dapo.config.SamplerConfig documents them)."""
@@ -103,13 +113,7 @@ class PromptMemory:
         self.correct[prompt, slot] = num_correct
         self.length[prompt, slot] = mean_length
         self.visits[prompt] += 1
-        z = int(self.streak[prompt])
-        if num_correct == self.group_size:
-            z = z + 1 if z > 0 else 1
-        elif num_correct == 0:
-            z = z - 1 if z < 0 else -1
-        else:
-            z = 0
+        z = next_streak(int(self.streak[prompt]), num_correct, self.group_size)
         self.streak[prompt] = max(-32767, min(32767, z))
 
     def last(self, prompt: int) -> tuple[int, int, float] | None:
@@ -182,16 +186,12 @@ def persistence(state: dict[str, Any], group_size: int, since_step: int = 0) -> 
     out: dict[tuple[str, int], list[int]] = {}
     for steps, correct in zip(state["step"], state["correct"]):
         visits = sorted((int(s), int(c)) for s, c in zip(steps, correct) if s >= 0)
-        for i in range(1, len(visits)):
-            if visits[i][0] < since_step:
-                continue
-            kind, z = "none", 0
-            for _, c in reversed(visits[:i]):
-                k = "correct" if c == group_size else "wrong" if c == 0 else "none"
-                if k == "none" or (z and k != kind):
-                    break
-                kind, z = k, z + 1
-            counts = out.setdefault((kind, min(z, 3)), [0, 0])
-            counts[0] += 1
-            counts[1] += visits[i][1] in (0, group_size)
+        z = 0  # the streak over the ring's visits so far, as PromptMemory.record counts it
+        for i, (step, c) in enumerate(visits):
+            if i and step >= since_step:
+                kind = "correct" if z > 0 else "wrong" if z < 0 else "none"
+                counts = out.setdefault((kind, min(abs(z), 3)), [0, 0])
+                counts[0] += 1
+                counts[1] += c in (0, group_size)
+            z = next_streak(z, c, group_size)
     return {k: (v[0], v[1]) for k, v in sorted(out.items())}

@@ -44,10 +44,8 @@ class RowConfig:
     engine_sequences: int = 128
     stream_margin: float = 0.0
     oracle: bool = False
-    skip: bool = False
-    """sampler.skip (prompt memory)."""
-    skip_target: float = SkipPolicy.target
-    skip_max_consecutive: int = SkipPolicy.max_consecutive
+    skip: SkipPolicy = SkipPolicy()
+    """sampler.skip (prompt memory) and its settings; off by default."""
 
 
 def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[RowConfig]:
@@ -65,13 +63,15 @@ def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[
     ]  # fmt: skip
 
 
-def memory_rows(gen_batch_size: int = 1536, engine_sequences: int = 128, **skip) -> list[RowConfig]:
-    """The prompt-memory table's rows: on-policy stream without and with sampler.skip (skip: its settings)."""
+SKIP_ON = SkipPolicy(enabled=True)
+"""sampler.skip with its default settings."""
+
+
+def memory_rows(gen_batch_size: int = 1536, engine_sequences: int = 128, skip: SkipPolicy = SKIP_ON) -> list[RowConfig]:
+    """The prompt-memory table's rows: on-policy stream without and with sampler.skip (skip: its settings, enabled)."""
     return [
         RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences),
-        RowConfig(
-            "stream+skip", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences, skip=True, **skip
-        ),
+        RowConfig("stream+skip", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences, skip=skip),
     ]
 
 
@@ -202,7 +202,7 @@ def simulate(
         engine_sequences=row.engine_sequences,
         stream_margin=row.stream_margin,
         seed=seed,
-        skip=SkipPolicy(enabled=row.skip, target=row.skip_target, max_consecutive=row.skip_max_consecutive),
+        skip=row.skip,
     )
     pool = EnginePool(engine, num_engines, workload, tick_steps)
     round_based = row.mode in ("fill", "dynamic_bs")
