@@ -24,3 +24,6 @@ SHORTFALL_POLICIES = ("error", "train")
 
 VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
 """reward.verifier's built-in names (a 'package.module:function' is also accepted)."""
+
+ROLLOUT_QUANTIZATIONS = ("none", "fp8")
+"""rollout.quantization: the rollout engine's weights as the policy holds them, or per-block FP8 (rollout/quantize.py)."""

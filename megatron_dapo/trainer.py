@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import group_advantages, overlong_filter_mask
+from megatron_dapo.algorithm import (
+    MISMATCH_KEYS,
+    group_advantages,
+    mismatch_metrics,
+    overlong_filter_mask,
+    rollout_mismatch_sums,
+)
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
@@ -244,16 +250,17 @@ class Trainer:
         ]
         return slices, self.comm.sum([sent])[0]
 
-    def _mean_mismatch(self, mismatch: list[torch.Tensor]) -> float:
-        """Mean |rollout logp - old logp| over the step's tokens on every rank (each DP rank's slice counted once)."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
-        if (
-            mismatch and self.layout.tp_rank == 0 and self.layout.cp_rank == 0
-        ):  # the last stage's TP and CP ranks hold the same logprobs
-            diffs = torch.cat(mismatch).double()
-            total[0], total[1] = diffs.sum(), diffs.numel()
+    def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """Rollout-vs-training mismatch over the step's tokens on every rank (each DP rank's slice counted once):
+        mean |logp difference|, KL (k3) and, with truncated IS on, the fraction of capped weights."""
+        cap = self.cfg.tis_cap()
+        total = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
+        if self.layout.tp_rank == 0 and self.layout.cp_rank == 0:  # the last stage's TP and CP ranks hold the same
+            for old, rollout in pairs:
+                total += rollout_mismatch_sums(old, rollout, cap, self.cfg.algorithm.log_ratio_clamp)
+        total = total.to(self.layout.device)
         dist.all_reduce(total)
-        return float(total[0] / total[1]) if total[1] > 0 else 0.0
+        return mismatch_metrics(total.cpu(), cap)
 
     def train_step(self) -> dict[str, float]:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
@@ -267,13 +274,13 @@ class Trainer:
         with timer.phase("old_logp"):
             mine = [s for mb in mini_batches for s in mb]
             old = self.policy.compute_logprobs(mine, temperature)
-            mismatch = []
+            pairs = []
             if old is not None:
                 for s, lp in zip(mine, old):
                     s.old_logp = lp["logp"]
                     if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
-                        mismatch.append((s.rollout_logp - lp["logp"]).abs())
-            mismatch_mean = self._mean_mismatch(mismatch)
+                        pairs.append((lp["logp"], s.rollout_logp))
+            mismatch = self._mismatch(pairs)
         with timer.phase("train"):
             per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
             skipped = sum(1 for m in per_update if not m["actor/update_applied"])
@@ -291,6 +298,7 @@ class Trainer:
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
         metrics.update(sync)
+        metrics.update(mismatch)
         tokens = sum(g.tokens for g in batch.groups)
         elapsed = timer.elapsed()
         metrics.update(
@@ -300,7 +308,6 @@ class Trainer:
                 "trainer/gen_rounds_total": float(self.gen_rounds),
                 "trainer/updates": float(len(per_update)),
                 "trainer/nan_skipped_updates": float(skipped),
-                "rollout/logp_mismatch_mean": mismatch_mean,
                 "sampler/bytes_moved": bytes_moved,
                 "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 **{f"timing/{name}": seconds for name, seconds in timer.seconds.items()},
@@ -432,6 +439,8 @@ def progress_line(m: dict[str, Any]) -> str:
         )
     else:  # a step trained entirely on groups carried over from the last one
         rollout = f"no generation: {int(m['sampler/batch_groups'])} carried-over groups"
+    if "rollout/tis_capped_frac" in m:  # truncated IS on (FP8 rollouts, partial rollout): how far off the rollouts are
+        rollout += f" | kl {m['rollout/kl']:.1e} capped {m['rollout/tis_capped_frac']:.2%}"
     evaluation = ""
     if "eval/avg_at_k" in m:
         k = int(m["eval/k"])

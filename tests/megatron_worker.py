@@ -8,7 +8,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   train step, then this stage's TP-gathered gradients and updated weights and the metrics;
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
-  memory the sync added (VmHWM reset before it, against VmRSS before it).
+  memory the sync added (VmHWM reset before it, against VmRSS before it). BRIDGE_FORMAT names the
+  weight format the receiving end asks for (rollout/quantize.py: none, fp8, fp8_rounded).
 - serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
   through the bridge, then generates greedily (no training). Engines run in-process, one per rank.
 - resume: train, checkpoint, train on; a fresh policy resumed from the checkpoint trains the same
@@ -187,8 +188,9 @@ def _proc_status_kb(field: str) -> int:
 class _Collector:
     """A rollout engine stand-in that keeps names and sizes only, so the bridge's own memory is measured."""
 
-    def __init__(self, keep: bool) -> None:
+    def __init__(self, keep: bool, weight_format: str = "none") -> None:
         self.keep, self.tensors, self.bucket_bytes = keep, {}, []
+        self.weight_format = weight_format  # what an FP8 engine would ask the bridge for
 
     def update_weights(self, bucket) -> None:
         self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in bucket))
@@ -206,7 +208,7 @@ def bridge(policy, cfg, arch, layout) -> dict:
 
     wb = WeightBridge(policy.model, arch, layout, bucket_bytes=cfg.rollout.bucket_bytes)
     keep = os.environ.get("BRIDGE_KEEP", "1") == "1"
-    sink = _Collector(keep)
+    sink = _Collector(keep, os.environ.get("BRIDGE_FORMAT", "none"))
     gc.collect()
     rss_before = _proc_status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

@@ -49,3 +49,44 @@ def perturbed_state_dict(model, scale: float = 0.5, seed: int = 1) -> dict[str, 
         noise = torch.randn(w.shape, generator=g, dtype=w.dtype)
         out[name] = (w + scale * w.std().clamp_min(1e-3) * noise).contiguous()
     return out
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM on the GPU code path (which cannot run here): records what the engine asks of it.
+
+    A worker call sees a worker whose model records load_weights and whose reload_weights records the full reload
+    (the GPU FP8 path); calls: ("sleep", level), ("wake_up", tags), ("load", n), ("reload", n), ("reset_prefix_cache",).
+    """
+
+    def __init__(self):
+        self.calls, self.loaded = [], []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, fn, args=()):
+        fake = self
+
+        class Worker:
+            class model_runner:
+                @staticmethod
+                def get_model():
+                    return type("M", (), {"load_weights": lambda _, weights: fake._record("load", weights)})()
+
+            @staticmethod
+            def reload_weights(weights_iterator, is_checkpoint_format):
+                assert is_checkpoint_format
+                fake._record("reload", weights_iterator)
+
+        fn(Worker(), *args)
+
+    def _record(self, kind, weights):
+        names = [n for n, _ in weights]
+        self.loaded.extend(names)
+        self.calls.append((kind, len(names)))

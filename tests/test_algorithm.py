@@ -11,9 +11,11 @@ from megatron_dapo.algorithm import (
     group_advantages,
     informative_groups,
     loss_metrics,
+    mismatch_metrics,
     overlong_filter_mask,
     policy_loss,
     reduce_stats,
+    rollout_mismatch_sums,
     soft_overlong_punishment,
     truncated_is_weight,
 )
@@ -322,6 +324,43 @@ def test_truncated_is_weights():
     torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="cap"):
         truncated_is_weight(old_logp, rollout_logp, cap=0.0)
+
+
+def test_rollout_mismatch_against_float64_reference():
+    n = int(torch.randint(1, 400, ()))
+    old = -torch.rand(n) * 5
+    rollout = old + torch.randn(n) * 0.5
+    rollout[0] = old[0] - 60.0  # a huge ratio: the log-ratio is clamped at 20 before exp()
+    for cap in (None, 2.0, 1.0):
+        sums = rollout_mismatch_sums(old, rollout, cap)
+        abs_sum = kl = capped = 0.0
+        for a, b in zip(old.tolist(), rollout.tolist()):
+            d = max(-20.0, min(20.0, a - b))  # log w, w = pi_train / pi_rollout
+            abs_sum += abs(d)
+            kl += (math.exp(d) - 1.0) - d
+            capped += cap is not None and math.exp(d) > cap
+        assert sums.dtype == torch.float64 and sums.tolist()[3] == n
+        assert sums.tolist()[:3] == pytest.approx([abs_sum, kl, capped], rel=1e-9)
+        m = mismatch_metrics(sums, cap)
+        assert m["rollout/logp_mismatch_mean"] == pytest.approx(abs_sum / n) and m["rollout/kl"] == pytest.approx(
+            kl / n
+        )
+        assert ("rollout/tis_capped_frac" in m) == (cap is not None)
+        if cap is not None:
+            assert m["rollout/tis_capped_frac"] == pytest.approx(capped / n)
+    # k3 is >= 0 per token, and 0 exactly where the two policies agree
+    assert rollout_mismatch_sums(old, old, 2.0).tolist() == [0.0, 0.0, 0.0, float(n)]
+    empty = rollout_mismatch_sums(torch.zeros(0), torch.zeros(0), 2.0)
+    assert empty.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert mismatch_metrics(empty, 2.0) == {
+        "rollout/logp_mismatch_mean": 0.0,
+        "rollout/kl": 0.0,
+        "rollout/tis_capped_frac": 0.0,
+    }
+    with pytest.raises(ValueError, match="must be the same \\[N\\]"):
+        rollout_mismatch_sums(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="must be the same \\[N\\]"):
+        rollout_mismatch_sums(torch.zeros(2, 3), torch.zeros(2, 3))
 
 
 def test_token_mean_is_global_over_micro_batches():

@@ -94,12 +94,27 @@ def test_bad_yaml_is_a_clear_error(tmp_path, yaml_text, needle):
         ("sampler.skip_min_explore=1.5", "sampler.skip_min_explore=1.5: expected a value in (0, 1]"),
         ("sampler.skip_adapt=0", "sampler.skip_adapt=0.0: expected a value in (0, 1]"),
         ("sampler.skip_max_consecutive=-1", "sampler.skip_max_consecutive=-1: expected an integer >= 0"),
+        ("rollout.quantization=int4", "rollout.quantization='int4': expected one of ('none', 'fp8')"),
+        ("rollout.quantization_tis_cap=0", "rollout.quantization_tis_cap=0.0: expected a value > 0, or null"),
     ],
 )
 def test_bad_override_is_a_clear_error(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[override])
     assert needle in str(e.value)
+
+
+def test_fp8_rollouts_turn_truncated_is_on_unless_told_otherwise():
+    assert load_config().tis_cap() is None  # the paper: no rollout correction
+    assert load_config(overrides=["rollout.quantization=fp8"]).tis_cap() == 2.0
+    assert load_config(overrides=["rollout.quantization=fp8", "rollout.quantization_tis_cap=3"]).tis_cap() == 3.0
+    assert load_config(overrides=["rollout.quantization=fp8", "algorithm.tis_cap=1.5"]).tis_cap() == 1.5
+    assert load_config(overrides=["rollout.quantization=fp8", "rollout.quantization_tis_cap=null"]).tis_cap() is None
+    assert load_config(overrides=["rollout.quantization_tis_cap=3"]).tis_cap() is None  # only with FP8
+    # partial rollout needs a cap: FP8's default cap is one
+    load_config(overrides=["sampler.partial_rollout=true", "rollout.quantization=fp8"])
+    with pytest.raises(ConfigError, match="algorithm.tis_cap=None: expected a cap"):
+        load_config(overrides=["sampler.partial_rollout=true"])
 
 
 def test_missing_file():

@@ -20,7 +20,7 @@ from megatron_dapo.preflight.pieces import plan_pieces, reassemble, write_pieces
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
-CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge")
+CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge", "bridge_fp8")
 GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "te")
 
 
@@ -50,6 +50,9 @@ def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_p
     bridge = rows["bridge"]["numbers"]
     assert bridge["after_max"] <= 1e-3 and bridge["before_max"] <= 1e-3  # fp32 engine vs Megatron, same tokens
     assert bridge["stale_mean"] > 100 * bridge["after_mean"]  # the check sees a sync that did not happen
+    assert bridge["weights"] == "none" and bridge["gen_tokens_per_s"] > 0
+    fp8 = rows["bridge_fp8"]["numbers"]  # CPU: the engine holds the FP8-rounded weights; the rounding shows
+    assert fp8["weights"] == "fp8_rounded" and fp8["after_mean"] > 10 * bridge["after_mean"] and fp8["quantize_s"] > 0
     assert report["summary"] == {"pass": len(CPU_CHECKS), "fail": 0, "skip": len(GPU_CHECKS)}
     for name in rows:  # the table printed every row
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name

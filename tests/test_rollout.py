@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rollout_helpers import hf_greedy, hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
+from rollout_helpers import FakeLLM, hf_greedy, hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
 
 from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 from megatron_dapo.rollout import RolloutEngine, VLLMEngine  # noqa: E402
@@ -271,28 +271,6 @@ def test_from_config_maps_the_trainer_config(monkeypatch):
     assert seen["model_path"] == "/models/qwen" and seen["dtype"] == "bf16" and seen["seed"] == 3
     assert seen["max_model_len"] == cfg.data.max_prompt_length + cfg.rollout.max_response_length
     assert seen["gpu_memory_utilization"] == 0.4
-
-
-class FakeLLM:
-    """Stands in for vllm.LLM on the GPU code path (which cannot run here): records what the engine asks of it."""
-
-    def __init__(self):
-        self.calls, self.loaded = [], []
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def collective_rpc(self, fn, args=()):
-        model = type("M", (), {"load_weights": lambda _, weights: self.loaded.extend(n for n, _ in weights)})()
-        runner = type("R", (), {"get_model": lambda _: model})()
-        fn(type("W", (), {"model_runner": runner})(), *args)
-        self.calls.append(("load", len(args[0])))
 
 
 def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model, prompts, monkeypatch):

@@ -189,6 +189,23 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
     assert got["sync_into"] == "vllm" and got["step_total_s"] >= got["step_generate_s"]
     assert got["rollout_engines"] == 1 and got["rollout_tokens_per_s"] == got["rollout_tokens_per_s_per_engine"]
     assert got["rollout_tokens"] <= 8 * 2 * 32 and got["train_tokens"] == 8 * 2 * (64 + 32)
+    # fp32 engine and fp32 policy score the same tokens alike: the mismatch rows are near zero
+    assert got["rollout_weights"] == "none" and got["rollout_logp_mismatch_mean"] < 1e-4 and got["rollout_kl"] < 1e-6
+
+
+@pytest.mark.slow
+def test_bench_throughput_fp8_rows(tmp_path):
+    """rollout.quantization=fp8: CPU rounds the engine's weights (the mismatch shows it); without an engine the sync
+    sends what a GPU engine asks for, FP8 weights plus scales, a quarter of the fp32 bytes for those layers."""
+    fp8 = ["--parts", "rollout,sync", "rollout.quantization=fp8"]
+    got = _bench(tmp_path, *SMALL_RUN, *fp8)
+    assert got["rollout_weights"] == "fp8_rounded"
+    assert got["rollout_logp_mismatch_mean"] > 1e-3 and got["rollout_kl"] > 0 and got["sync_quantize_s"] > 0
+    no_vllm = "sys.modules['vllm'] = None"
+    plain = _bench(tmp_path, *SMALL_RUN, "--parts", "sync", prelude=no_vllm)
+    quantized = _bench(tmp_path, *SMALL_RUN, *fp8[2:], "--parts", "sync", prelude=no_vllm)
+    assert plain["rollout_weights"] == "none" and quantized["rollout_weights"] == "fp8"
+    assert quantized["sync_gb"] < plain["sync_gb"] and quantized["sync_quantize_s"] > 0
 
 
 def test_bench_throughput_without_vllm_skips_rollout_and_step(tmp_path):

