@@ -193,6 +193,8 @@ log "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes x 
 log "$(quote "${srun_cmd[@]}")"
 "${srun_cmd[@]}" &
 srun_pid=$!
+# a USR1/USR2 that arrived before srun's pid was known (its trap could not pass it on) is passed on now
+if [[ -n $stop_signal && $stop_signal != TERM ]]; then kill -USR1 "$srun_pid" 2>/dev/null || true; fi
 # wait returns early when a trapped signal arrives; keep waiting until srun itself has ended
 while :; do
     rc=0

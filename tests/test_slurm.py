@@ -54,7 +54,10 @@ got=""
 trap 'got=1; echo USR1 >> "$FAKE_DIR/srun_signals"' USR1
 if [[ $FAKE_SIGNAL != none ]]; then
     kill -"$FAKE_SIGNAL" "$PPID"
-    for _ in $(seq 10); do [[ -n $got ]] && break; sleep 0.1; done
+    # signalled at once, as early as the batch shell can be (before it knew srun's pid, once in a loaded make test,
+    # when the script then never passed it on). USR1/USR2 come back: wait up to 10 s; TERM must not: 1 s to see
+    tries=100; [[ $FAKE_SIGNAL == TERM ]] && tries=10
+    for _ in $(seq "$tries"); do [[ -n $got ]] && break; sleep 0.1; done
 fi
 save() { mkdir -p "$RUN_DIR/checkpoints"; echo step_00000007 > "$RUN_DIR/checkpoints/latest"; }
 case $FAKE_ACTION in

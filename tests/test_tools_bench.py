@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -196,16 +197,24 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
 @pytest.mark.slow
 def test_bench_throughput_fp8_rows(tmp_path):
     """rollout.quantization=fp8: CPU rounds the engine's weights (the mismatch shows it); without an engine the sync
-    sends what a GPU engine asks for, FP8 weights plus scales, a quarter of the fp32 bytes for those layers."""
-    fp8 = ["--parts", "rollout,sync", "rollout.quantization=fp8"]
-    got = _bench(tmp_path, *SMALL_RUN, *fp8)
+    sends what a GPU engine asks for: FP8 projections plus float32 scales, everything else in fp32."""
+    from safetensors import safe_open
+
+    from megatron_dapo.rollout.quantize import is_quantized, scale_shape
+
+    got = _bench(tmp_path, *SMALL_RUN, "--parts", "rollout,sync", "rollout.quantization=fp8")
     assert got["rollout_weights"] == "fp8_rounded"
     assert got["rollout_logp_mismatch_mean"] > 1e-3 and got["rollout_kl"] > 0 and got["sync_quantize_s"] > 0
     no_vllm = "sys.modules['vllm'] = None"
-    plain = _bench(tmp_path, *SMALL_RUN, "--parts", "sync", prelude=no_vllm)
-    quantized = _bench(tmp_path, *SMALL_RUN, *fp8[2:], "--parts", "sync", prelude=no_vllm)
-    assert plain["rollout_weights"] == "none" and quantized["rollout_weights"] == "fp8"
-    assert quantized["sync_gb"] < plain["sync_gb"] and quantized["sync_quantize_s"] > 0
+    sink = _bench(tmp_path, *SMALL_RUN, "--parts", "sync", "rollout.quantization=fp8", prelude=no_vllm)
+    assert sink["rollout_weights"] == "fp8" and sink["sync_quantize_s"] > 0
+    with safe_open(str(Path(tempfile.gettempdir()) / "megatron_dapo_bench_tiny" / "model.safetensors"), "pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    want = 0  # bytes: 1 per FP8 weight and 4 per scale, 4 per fp32 value elsewhere
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        want += n + 4 * math.prod(scale_shape(shape)) if is_quantized(name) else 4 * n
+    assert sink["sync_gb"] == round(want / 1e9, 4)
 
 
 def test_bench_throughput_without_vllm_skips_rollout_and_step(tmp_path):

