@@ -78,6 +78,8 @@ class WeightBridge:
         for hf_name, t in megatron_to_hf(name, self._full_tensor(name), self.arch):
             t0 = time.perf_counter()
             encoded = list(encode(hf_name, t, weight_format))
+            if t.is_cuda and weight_format != "none":
+                torch.cuda.synchronize()  # time the kernels, not their launch
             self._encode_seconds += time.perf_counter() - t0
             yield from encoded
 
