@@ -65,6 +65,13 @@ def expand(scales: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[: shape[0], : shape[1]]
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (FP8 tensors compared as bytes)."""
+    if a.dtype == torch.float8_e4m3fn or b.dtype == torch.float8_e4m3fn:
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
 def check_against_reference(w: torch.Tensor, seed: int) -> None:
     q, s = quantize_fp8(w)
     shape = tuple(w.shape)
@@ -114,7 +121,7 @@ def test_zero_blocks_dequantize_to_exact_zeros_and_leave_their_neighbours_alone(
     assert torch.equal(dequantize_fp8(q, s)[:128, 128:256], torch.zeros(128, 128))
     # blocks are independent: a block quantized alone gives the same bytes and scale
     q1, s1 = quantize_fp8(w[:128, :128])
-    assert torch.equal(q1.view(torch.uint8), q[:128, :128].view(torch.uint8)) and float(s1) == float(s[0, 0])
+    assert same(q1, q[:128, :128].contiguous()) and float(s1) == float(s[0, 0])
     check_against_reference(w, seed)
     zeros = torch.zeros(3, 5)
     q, s = quantize_fp8(zeros)
@@ -206,7 +213,7 @@ def test_encode_quantizes_only_the_decoder_projections():
     (n1, q), (n2, s) = encode(layer, w, "fp8")
     assert (n1, n2) == (layer, scale_name(layer)) and n2 == layer + "_scale_inv"
     q_ref, s_ref = quantize_fp8(w)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert same(q, q_ref) and same(s, s_ref)
     [(n, rounded)] = encode(layer, w, "fp8_rounded")
     assert n == layer and rounded.dtype == torch.bfloat16
     assert torch.equal(rounded, dequantize_fp8(q_ref, s_ref).bfloat16())
@@ -240,13 +247,6 @@ def fp8_friendly_qwen2():
     return Qwen2ForCausalLM(config).eval()
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (FP8 tensors compared as bytes)."""
-    if a.dtype == torch.float8_e4m3fn or b.dtype == torch.float8_e4m3fn:
-        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return a.dtype == b.dtype and torch.equal(a, b)
-
-
 def test_a_quantized_sync_sends_what_the_engine_asks_for(tmp_path, monkeypatch):
     """The Megatron bridge's FP8 sync against what an FP8 engine asks for and against vLLM's own loader. (The
     fp8_rounded format goes through the same encode(): the CPU engine and trainer tests run it end to end.)"""
@@ -254,15 +254,14 @@ def test_a_quantized_sync_sends_what_the_engine_asks_for(tmp_path, monkeypatch):
 
     model = fp8_friendly_qwen2()
     case = save_case(model, random_batch(2, 8, 250), tmp_path / "case")
-    weight_format = "fp8"
     bucket = 300_000  # bytes: several buckets; the largest tensors (embedding, lm_head: fp32 256 KB) fit
-    monkeypatch.setenv("BRIDGE_FORMAT", weight_format)
+    monkeypatch.setenv("BRIDGE_FORMAT", "fp8")
     got = run_worker(case, tmp_path / "out", 1, "--mode", "bridge", f"rollout.bucket_bytes={bucket}")
     hf = model.state_dict()
     shapes = {n: tuple(t.shape) for n, t in hf.items()}
     assert {n: tuple(t.shape) for n, t in got["hf"].items()} == fp8_shapes(shapes)
     for name, t in hf.items():  # the Megatron round trip is bit-exact, so each tensor is encode() of the HF one
-        for n, want in encode(name, t, weight_format):
+        for n, want in encode(name, t, "fp8"):
             assert same(got["hf"][n], want), n
     sent = sum(t.numel() * t.element_size() for t in got["hf"].values())
     assert sum(got["bucket_bytes"]) == sent and max(got["bucket_bytes"]) <= bucket and len(got["bucket_bytes"]) >= 3
