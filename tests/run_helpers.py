@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 DETERMINISTIC = ("reward/", "sampler/", "skip/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
@@ -17,3 +18,9 @@ def metrics(run: Path) -> list[dict]:
 def comparable(m: dict) -> dict:
     """The metrics a rerun must reproduce: not times, and not bytes moved between ranks (they depend on the layout)."""
     return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
+
+
+def python_path(*dirs: Path | str) -> str:
+    """PYTHONPATH with dirs in front of the one this process has: a subprocess keeps whatever the test run put first
+    (make mutants puts its mutated copy of the package there)."""
+    return os.pathsep.join([*(str(d) for d in dirs), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import comparable, metrics
+from run_helpers import comparable, metrics, python_path
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 from megatron_dapo.model.tiny import build_tiny_qwen2
@@ -125,7 +125,7 @@ def tiny(tmp_path_factory) -> dict:
         "CONFIG": "examples/tiny_cpu.yaml",
         "GPUS_PER_NODE": "1",  # processes per node: one CPU process
         "SAVE_GRACE_S": "300",
-        "PYTHONPATH": str(TESTS),  # reward_helpers, for the verifier's workers
+        "PYTHONPATH": python_path(TESTS),  # reward_helpers, for the verifier's workers
     }
     overrides = [
         "data.max_prompt_length=480",
@@ -289,7 +289,7 @@ def test_convert_and_eval_jobs(cluster, tiny):
         EVAL_OUT=str(results),
         K="2",
         TP="1",  # vLLM on CPU: one process
-        PYTHONPATH=str(TESTS),
+        PYTHONPATH=python_path(TESTS),
     )
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
     out = (work / f"dapo-eval-{job_id}.out").read_text()

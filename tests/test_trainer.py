@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_helpers import comparable, metrics
+from run_helpers import comparable, metrics, python_path
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
@@ -305,7 +305,7 @@ def uninterrupted(tmp_path_factory):
             rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
             common += [f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]", "sampler.skip=true",
                        "sampler.skip_adapt=1.0"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
         cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
         full = root / "full"
         done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
@@ -421,7 +421,7 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
         "trainer.tensorboard=false",
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
-    _train(overrides, nproc=2, PYTHONPATH=str(Path(__file__).parent))  # the verifier module, for every worker
+    _train(overrides, nproc=2, PYTHONPATH=python_path(Path(__file__).parent))  # the verifier module, for every worker
     lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0

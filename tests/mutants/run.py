@@ -1,6 +1,6 @@
 """make mutants: plausible one-line bugs, each applied to a scratch copy of the project, must fail the tests named for it.
 
-Each mutant in mutants.toml (beside this script) names a file, an exact snippet of it (found exactly once), the
+Each mutant in the *.toml files beside this script (one file per layer) names a file, an exact snippet of it (found exactly once), the
 snippet's replacement, the bug that stands for, and the tests that must catch it. The scratch copy holds the whole
 work tree (package, tests, tools, scripts), with the package's kernels/ linked where it is installed
 (megatron_dapo/kernels); pytest runs from it, and PYTHONPATH puts it first for every subprocess the tests start
@@ -24,14 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib  # Python 3.11+: make mutants runs in the project's virtualenv
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-DATA = HERE / "mutants.toml"
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,16 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-def load_mutants(path: Path = DATA) -> list[Mutant]:
-    """The mutants, each checked against the work tree: a snippet found exactly once, a real change, tests named."""
-    with open(path, "rb") as f:
-        rows = tomllib.load(f).get("mutant", [])
+def load_mutants(folder: Path = HERE) -> list[Mutant]:
+    """The mutants of every *.toml in folder, each checked against the work tree: a snippet found exactly once, a
+    real change, tests named."""
+    rows = []
+    for path in sorted(folder.glob("*.toml")):
+        with open(path, "rb") as f:
+            rows += [(path.name, i, row) for i, row in enumerate(tomllib.load(f).get("mutant", []))]
     mutants, names = [], set()
-    for i, row in enumerate(rows):
-        where = f"{path.name}: mutant {i} ({row.get('name', '?')})"
+    for file_name, i, row in rows:
+        where = f"tests/mutants/{file_name}: mutant {i} ({row.get('name', '?')})"
         missing = [k for k in ("name", "file", "find", "replace", "bug", "tests") if k not in row]
         if missing:
             raise SystemExit(f"{where}: field(s) {missing} missing")
