@@ -53,10 +53,22 @@ def cluster(tmp_path_factory):
         assert not left, f"daemons still running: {left}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range for torchrun's rendezvous, which binds it later in the job.
+
+    A port the kernel hands out for bind(0) could be given to another process between this check and the bind (the
+    parallel tests start torchrun --standalone and servers on port 0 all the time); one below the ephemeral range
+    never is, so free now means free then.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in range(min(20000, low - 1000), low):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port below the ephemeral range (which starts at {low})")
 
 
 HOST = socket.gethostname().split(".")[0]  # the cluster's first node; the second, HOST-2, has no address of its own
@@ -154,7 +166,7 @@ def train_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int = 1,
         *tiny["overrides"],
         *extra,
         nodes=nodes,
-        **{**tiny["variables"], "RUN_DIR": str(run), "RDZV_PORT": str(_free_port()), **variables},
+        **{**tiny["variables"], "RUN_DIR": str(run), "RDZV_PORT": str(_rendezvous_port()), **variables},
     )
 
 

@@ -60,7 +60,8 @@ def build_tiny_qwen2(
         torch_dtype="float32",
         **{**TINY_QWEN2, **overrides},
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    with torch.random.fork_rng():  # seeded here without reseeding the caller's global generator
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -48,8 +48,28 @@ done
 mkdir -p "$dir"/{state,spool,munge}
 chmod 700 "$dir" "$dir/munge"
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-ctld_port=$(free_port)
+# Free ports below the kernel's ephemeral range: one that bind(0) could hand to another process before the daemon
+# binds it would race (tests run beside this cluster); one below the range is never handed out, so it stays free.
+free_ports() {
+    python3 - "$1" <<'PY'
+import socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+found = []
+for port in range(min(20000, low - 1000), low):
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            continue
+    found.append(port)
+    if len(found) == int(sys.argv[1]):
+        break
+print(*found)
+PY
+}
+read -r ctld_port node_port_1 node_port_2 <<<"$(free_ports 3)"
+[[ -n $node_port_2 ]] || die "no three free ports below the ephemeral range"
+node_ports=("$node_port_1" "$node_port_2")
 host=$(hostname -s)
 nodes=("$host" "$host-2")
 cpus=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
@@ -100,8 +120,8 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 CONF
-for node in "${nodes[@]}"; do
-    echo "NodeName=$node NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN"
+for i in "${!nodes[@]}"; do
+    echo "NodeName=${nodes[i]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[i]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN"
 done >>"$dir/slurm.conf"
 echo "PartitionName=debug Nodes=$(
     IFS=,
