@@ -22,7 +22,9 @@ install: $(STAMP)
 
 # two workers, one test file each at a time (a file's module fixtures are built once); tests start their
 # own subprocesses, so a worker is mostly waiting on them and two fit two cores
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+# PYTEST_ARGS: more pytest options, e.g. a shuffled order within each file (the same seed on both workers):
+#   make test-fast PYTEST_ARGS="--random-order-bucket=module --random-order-seed=1234"
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test: $(STAMP) system-packages
 	$(PYTEST) tests
