@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -104,12 +103,6 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed: int) -> Layout:
     """torch.distributed + Megatron process groups + Megatron's model-parallel RNG, from the environment."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,9 +116,9 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         cpu_compat.enable()
         backend = "gloo"
     if not dist.is_initialized():
-        if world_size == 1:
+        if world_size == 1:  # a lone process: its store binds a port of its own (0), so none can be taken first
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", "0")
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
 
     from megatron.core import parallel_state

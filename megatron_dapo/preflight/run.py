@@ -45,7 +45,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -154,17 +153,12 @@ def run_child(name: str, ctx: dict, out: Path) -> None:
 # ----------------------------------------------------------------------------- the parent: orchestration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(name: str, cuda: bool) -> dict[str, str]:
     """The check's environment: rank 0 of a one-process torchrun-style world (so a GPU engine uses the trainer's
     external_launcher path), and Triton's interpreter for the CPU kernel check only."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+    # port 0: the world of one's store binds a port of its own choosing (one picked here could be taken first)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     if name == "kernel_equality" and not cuda:
         env["TRITON_INTERPRET"] = "1"  # read when the kernel is first compiled: set before the child starts
