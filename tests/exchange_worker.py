@@ -1,4 +1,7 @@
-"""Run under torchrun (gloo, 2 ranks) by tests/test_exchange.py: gather summaries, deliver responses, write what arrived."""
+"""Run under torchrun (gloo, 2 ranks) by tests/test_exchange.py, as `exchange_worker.py MODE OUT_DIR`; each rank writes
+OUT_DIR/rank{r}.json. MODE exchange: gather summaries, deliver responses, write what arrived. MODE agreement: two
+dynamic-sampling loaders (a scripted engine per rank, one reward pool each) take two steps with the same seed on
+both ranks, then with a different seed on rank 1; write the groups each step trained and the error each raised."""
 
 from __future__ import annotations
 
@@ -6,9 +9,12 @@ import json
 import sys
 
 import torch.distributed as dist
+from scripted_engine import ScriptedEngine, make_dataset
 
+from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
 from megatron_dapo.data.exchange import Comm, deliver, gather_metas, gather_stopped
 from megatron_dapo.data.records import GroupMeta, Stopped
+from megatron_dapo.reward import RewardPool
 from megatron_dapo.types import Response
 
 G = 3
@@ -44,9 +50,8 @@ def meta(key: int) -> GroupMeta:
     )
 
 
-def main(out_dir: str) -> None:
-    dist.init_process_group("gloo")
-    comm = Comm()
+def exchange(comm: Comm) -> dict:
+    """Every rank's summaries to every rank, each response to the rank that trains it: what arrived, bytes sent."""
     rank = comm.rank
     keys = range(8)
     mine = [meta(k) for k in keys if k % 2 == rank]
@@ -56,17 +61,57 @@ def main(out_dir: str) -> None:
     # rank r trains the samples whose (key + j) % 2 == r: half its own, half the other rank's
     wanted = {r: [(k, j) for k in keys for j in range(G) if (k + j) % 2 == r] for r in range(2)}
     got, sent = deliver(comm, metas, local, owner_rank=lambda g: g.engine, wanted_by=lambda r: wanted[r])
-    result = {
+    return {
         "metas": [m.to_dict() for m in metas],
         "stopped": {str(k): vars(v) for k, v in stopped.items()},
         "got": {f"{k},{j}": [r.token_ids, r.logprobs, r.truncated] for (k, j), r in got.items()},
         "sent": sent,
     }
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+
+
+def scripted(prompt: int, j: int, seed: int) -> tuple[int, bool]:
+    """Prompt p's sample j: 1-5 tokens, the first 1 + p % 3 of the group's 4 right (every group informative)."""
+    return 1 + (prompt + 3 * j) % 5, j < 1 + prompt % 3
+
+
+def agreement(comm: Comm) -> dict:
+    """{"same" | "different": {"steps": [[prompt index of each trained group] per step], "error": str | None}}."""
+    out = {}
+    with RewardPool(num_workers=1) as pool:
+        for case, seeds in (("same", (5, 5)), ("different", (5, 6))):
+            loader = DynamicSamplingLoader(
+                make_dataset(40),
+                {comm.rank: ScriptedEngine(scripted, capacity=8)},
+                pool,
+                num_engines=2,
+                comm=comm,
+                group_size=4,
+                train_batch_size=3,
+                gen_batch_size=4,
+                max_response_length=8,
+                overlong_buffer_len=2,
+                tick_steps=2,
+                seed=seeds[comm.rank],
+            )
+            steps, error = [], None
+            try:
+                for _ in range(2):
+                    steps.append([g.index for g in loader.next_batch().groups])
+            except RuntimeError as e:
+                error = str(e)
+            out[case] = {"steps": steps, "error": error}
+    return out
+
+
+def main(mode: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    comm = Comm()
+    result = {"exchange": exchange, "agreement": agreement}[mode](comm)
+    with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

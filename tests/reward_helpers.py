@@ -1,12 +1,15 @@
-"""User verifiers for tests/test_reward.py, imported by name ('reward_helpers:...') in the pool's workers."""
+"""User verifiers for tests/test_reward.py and tests/test_trainer.py, imported by name ('reward_helpers:...') in the
+pool's workers."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 from megatron_dapo.reward.verifiers import VerifyResult
 
@@ -87,6 +90,12 @@ def __getattr__(name: str):
     # 'reward_helpers:parent_only' exists in the test process but not in a spawned worker: a start failure.
     if name == "parent_only" and multiprocessing.parent_process() is None:
         return exact
+    # 'reward_helpers:holds_start_up': the trainer's start-up stops where its reward pool loads the verifier (the
+    # policy and the engine up); it writes the file $HELD_IN_START_UP names, then only a signal ends the process.
+    if name == "holds_start_up":
+        Path(os.environ["HELD_IN_START_UP"]).write_text(f"{os.getpid()}\n")
+        while True:
+            signal.pause()
     raise AttributeError(name)
 
 

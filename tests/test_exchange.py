@@ -29,14 +29,19 @@ def test_summaries_round_trip_through_a_float64_row():
     assert Comm().all_gather_rows(rows) is rows  # one process: nothing moves
 
 
-def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
+def _two_ranks(mode: str, out: Path) -> list[dict]:
+    """exchange_worker.py MODE under torchrun, 2 ranks with gloo: what each rank wrote."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run(
-        [*cmd, str(HERE / "exchange_worker.py"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        [*cmd, str(HERE / "exchange_worker.py"), mode, str(out)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
+    ranks = _two_ranks("exchange", tmp_path)
     want_metas = [meta(k).to_dict() for k in range(8)]
     for r, res in enumerate(ranks):
         assert res["metas"] == want_metas  # every rank, every group, in key order
@@ -53,3 +58,20 @@ def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
         # it sent what the other rank trains from its own groups: 4 bytes of id + 4 of logprob per token
         sent = sum(len(response(k, j).token_ids) for k in range(8) for j in range(G) if k % 2 == r and (k + j) % 2 != r)
         assert res["sent"] == 8 * sent > 0
+
+
+def test_ranks_whose_schedulers_disagree_raise_on_every_rank(tmp_path):
+    """Two loaders, one engine per rank: the same seed gives every rank the same batches; a different seed on rank 1
+    (another prompt order) must raise after the first step on both ranks, each naming its own fingerprint."""
+    ranks = _two_ranks("agreement", tmp_path)
+    same = [r["same"] for r in ranks]
+    assert same[0]["error"] is None and same[1]["error"] is None
+    assert same[0]["steps"] == same[1]["steps"] and [len(s) for s in same[0]["steps"]] == [3, 3]
+    prints = []
+    for r, res in enumerate(ranks):
+        error = res["different"]["error"] or ""
+        assert res["different"]["steps"] == [], error  # the first step's check raised, on this rank too
+        head = f"dynamic sampling: the ranks' schedulers disagree after step 1 (rank {r}: state fingerprint "
+        assert error.startswith(head), error
+        prints.append(int(error[len(head) :].split(")")[0]))
+    assert prints[0] != prints[1]

@@ -3,8 +3,10 @@ one process and data parallel over two."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -119,11 +121,20 @@ def _train(overrides: list[str], nproc: int = 1, **env_vars: str) -> subprocess.
     return proc
 
 
+def _wandb_env(root: Path) -> dict[str, str]:
+    """W&B offline, its settings, cache and staging folders under root (not the user's home)."""
+    return {
+        "WANDB_MODE": "offline",
+        **{f"WANDB_{k}_DIR": str(root / "wandb" / k.lower()) for k in ("CONFIG", "CACHE", "DATA")},
+    }
+
+
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2.
 
-    Returns its overrides (without trainer.run_dir), its run directory and the finished process.
+    Logs to Weights & Biases too, offline (wandb's files under the run directory and the fixture's folder).
+    Returns its overrides (without trainer.run_dir or the W&B project), its run directory and the finished process.
     """
     root = tmp_path_factory.mktemp("two_steps")
     model = build_tiny_qwen2(root / "model", seed=0)
@@ -151,7 +162,59 @@ def two_steps(tmp_path_factory):
         "eval.k=3",
     ]
     run = root / "run"
-    return overrides, run, _train([*overrides, f"trainer.run_dir={run}"])
+    proc = _train([*overrides, "trainer.wandb_project=tiny", f"trainer.run_dir={run}"], **_wandb_env(root))
+    return overrides, run, proc
+
+
+def _wandb_history(run_dir: Path, env: dict[str, str]) -> list[dict]:
+    """The history rows of the one offline W&B run under run_dir/wandb, as wandb's own reader of its .wandb log
+    prints them: each row's logged metrics and its `_step` (not the reader's `_runtime` and `_timestamp`)."""
+    [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)]
+    read = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert read.returncode == 0, read.stderr[-3000:]
+    records = [json.loads(x) for x in read.stdout.splitlines() if x.strip()]
+    rows = [r["history"] for r in records if r.get("type") == "history"]
+    assert all(h["step"]["num"] == h["item"]["_step"] for h in rows)
+    return [{k: v for k, v in h["item"].items() if k not in ("_runtime", "_timestamp")} for h in rows]
+
+
+def test_weights_and_biases_logs_every_metrics_line_at_its_step(two_steps):
+    """trainer.wandb_project set: the run's W&B history (offline) holds metrics.jsonl's lines, each at its step."""
+    _, run, _ = two_steps
+    assert _wandb_history(run, _wandb_env(run.parent)) == [{"_step": int(m["step"]), **m} for m in metrics(run)]
+
+
+def test_metric_sinks_drop_what_follows_the_resumed_step_and_log_each_step_to_wandb(seed, tmp_path, monkeypatch):
+    """A run resumed from step 2 keeps metrics.jsonl's lines up to step 2, drops the step 3 the interrupted run wrote
+    after its last checkpoint, and appends its own; W&B (offline) logs each line at its step."""
+    from megatron_dapo.config import Config
+    from megatron_dapo.train import MetricSinks
+
+    rng = random.Random(seed)
+
+    def line(step: int) -> dict[str, float]:
+        return {"step": float(step), "actor/loss": rng.uniform(-1, 1), "reward/mean": rng.uniform(-2, 1)}
+
+    run = tmp_path / "run"
+    run.mkdir()
+    interrupted = [line(step) for step in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in interrupted))
+    env = {**_wandb_env(tmp_path), "WANDB_CONSOLE": "off"}  # wandb must not take over pytest's stdout
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = Config()
+    cfg.trainer.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project = str(run), False, "sinks"
+    sinks = MetricSinks(cfg, active=True, resumed_step=2)
+    try:
+        assert metrics(run) == interrupted[:2]
+        resumed = [line(3), line(4)]
+        for m in resumed:
+            sinks.write(m)
+    finally:
+        sinks.close()
+    assert metrics(run) == interrupted[:2] + resumed and [p.name for p in run.glob("*.tmp")] == []
+    assert _wandb_history(run, env) == [{"_step": 3, **resumed[0]}, {"_step": 4, **resumed[1]}]
 
 
 def test_two_rollout_steps_end_to_end(two_steps):
@@ -179,11 +242,14 @@ def test_fp8_rollouts_turn_truncated_is_on_and_log_the_mismatch(two_steps, tmp_p
     overrides, _, _ = two_steps
     run = tmp_path / "fp8"
     # a cap of 1 (rollout.quantization_tis_cap; algorithm.tis_cap stays null) caps the tokens the engine
-    # under-weights, so the capped fraction is measurable on one step
-    fp8 = ["rollout.quantization=fp8", "rollout.quantization_tis_cap=1.0", "trainer.total_steps=1", "eval.every=0"]
+    # under-weights, so the capped fraction is measurable on one step; one update, from the weights that sampled
+    fp8 = ["rollout.quantization=fp8", "rollout.quantization_tis_cap=1.0", "trainer.total_steps=1", "eval.every=0",
+           "optim.mini_batch_size=16"]  # fmt: skip
     proc = _train([*overrides, *fp8, f"trainer.run_dir={run}"])
     [m] = metrics(run)
     assert m["rollout/logp_mismatch_mean"] > 1e-3 and m["rollout/kl"] > 0  # the rounding shows
+    # the only update starts from the weights that sampled: old_logp is the policy's own (ratio 1), not the engine's
+    assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and m["actor/approx_kl"] == pytest.approx(0, abs=1e-9)
     assert 0 < m["rollout/tis_capped_frac"] < 1
     assert m["weight_sync/quantize_seconds"] > 0
     assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
@@ -238,6 +304,46 @@ def test_a_nan_loss_skips_the_update(tmp_path):
     assert math.isnan(bad["actor/loss"]) and bad["actor/update_applied"] == 0.0
     assert got["unchanged"] and got["steps_after_nan"] == 0
     assert good["actor/update_applied"] == 1.0 and got["steps_after_good"] == 1 and math.isfinite(good["actor/loss"])
+
+
+@pytest.mark.slow
+def test_a_loss_not_finite_in_max_nan_in_a_row_steps_stops_the_run_which_resumes(two_steps, tmp_path):
+    """Resumed from two_steps' step 1 with rollout.temperature=1e-40, which overflows the policy's fp32 logits /
+    temperature (vLLM samples greedily below 1e-5): every step's loss is NaN and its updates are skipped. With
+    trainer.max_nan_in_a_row=2, step 2 (one in a row) goes on and is saved, step 3 stops the run with
+    FloatingPointError (not a user error: the traceback stays), nothing left running. Resumed from step 2 at
+    temperature 1, step 3 trains and the count starts again from 0."""
+    overrides, ref_run, _ = two_steps
+    run = tmp_path / "run"
+    shutil.copytree(ref_run / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000001")
+    nan = ["rollout.temperature=1e-40", "trainer.max_nan_in_a_row=2", "trainer.total_steps=4", "eval.every=0"]
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *overrides, *nan, f"trainer.run_dir={run}"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    out, err = _ends_with_nothing_left(proc, timeout=600)
+    assert proc.returncode == 1, err[-3000:]
+    message = (
+        "FloatingPointError: step 3: the loss was not finite in 2 rollout steps in a row "
+        f"(trainer.max_nan_in_a_row=2); the last good checkpoint is in {run / 'checkpoints'}"
+    )
+    assert any(line.endswith(message) for line in err.splitlines()), err[-3000:]  # after a "[rank0]: " prefix
+    [m] = metrics(run)  # step 2 ran to its end; step 3 wrote nothing
+    assert m["step"] == 2 and m["trainer/nan_skipped_updates"] == m["trainer/updates"] == 2
+    assert math.isnan(m["actor/loss"]) and m["trainer/optimizer_steps"] == 2 and "step 2 |" in out
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+    assert not (run / "FINISHED").exists()
+
+    def nan_in_a_row(step: int) -> int:
+        path = run / "checkpoints" / f"step_{step:08d}" / "state" / "rank00000.pt"
+        return torch.load(path, weights_only=False)["trainer"]["nan_in_a_row"]
+
+    assert nan_in_a_row(2) == 1
+    fixed = ["trainer.max_nan_in_a_row=2", "trainer.total_steps=3", "eval.every=0"]  # temperature 1 again
+    _train([*overrides, *fixed, f"trainer.run_dir={run}"])
+    resumed = metrics(run)
+    assert [x["step"] for x in resumed] == [2.0, 3.0] and resumed[1]["trainer/nan_skipped_updates"] == 0
+    assert resumed[1]["trainer/optimizer_steps"] == 4 and nan_in_a_row(3) == 0
+    assert (run / "FINISHED").read_text().strip() == "3"
 
 
 def _ends_early(model_dir: Path) -> Path:
@@ -487,28 +593,31 @@ def test_a_run_whose_checkpoints_are_all_damaged_exits_at_once_with_one_line(two
 
 
 def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
+    """A signal while the trainer starts (its policy and engine up, held where the reward pool loads the verifier,
+    see reward_helpers:holds_start_up) leaves at once: status 1, no step, nothing saved, nothing left running."""
     import signal
     import time
 
     overrides, _, _ = two_steps
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_dapo.train", *overrides, f"trainer.run_dir={tmp_path / 'run'}"]
+    run, held = tmp_path / "run", tmp_path / "held"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent),
+           "HELD_IN_START_UP": str(held)}  # fmt: skip
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *overrides, "reward.verifier=reward_helpers:holds_start_up",
+           f"trainer.run_dir={run}"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
-    seen = []
-    for line in proc.stderr:  # the handlers are in place once this line is out
-        seen.append(line)
-        if "megatron_dapo.train INFO starting:" in line:
-            break
-    time.sleep(4)  # into the imports and the engine's start
+    deadline = time.time() + 300
+    while not held.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if not held.is_file():
+        _, err = _ends_with_nothing_left(proc, timeout=60)
+        raise AssertionError(f"the run never reached its reward pool's start:\n{err[-3000:]}")
     proc.send_signal(signal.SIGTERM)
-    t0 = time.time()
-    _, err = _ends_with_nothing_left(proc, timeout=120)
-    err = "".join(seen) + err
+    out, err = _ends_with_nothing_left(proc, timeout=120)
     assert proc.returncode == 1, err[-3000:]
     assert "SIGTERM: stopping now (during start-up), nothing saved" in err, err[-3000:]
-    assert time.time() - t0 < 60
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert "step 1" not in out and not (run / "metrics.jsonl").exists()
+    assert not (run / "checkpoints").exists() and not (run / "FINISHED").exists()
 
 
 @pytest.mark.slow
