@@ -19,7 +19,6 @@ def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 250, layers: int
     """A randomly initialised tiny Qwen2 or Llama (4 heads, 2 KV groups) from transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -31,14 +30,16 @@ def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 250, layers: int
         tie_word_embeddings=tied,
         rms_norm_eps=1e-6,
     )
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
-    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: perturb so both matter
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+    with torch.random.fork_rng(devices=[]):  # transformers initialises from the global generator: leave it as it was
+        torch.manual_seed(seed)
+        if family == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
+        with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: perturb so both matter
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
 
 
@@ -53,7 +54,12 @@ def save_case(model, batch: list[dict], out: Path) -> Path:
 
 
 def random_batch(n: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
-    """n samples of seq tokens each (prompt 2..11, the rest response), advantages, fixed old-logp noise."""
+    """n samples of seq tokens each (prompt 2..11, the rest response), advantages, fixed old-logp noise.
+
+    noise [R]: the worker's old_logp is the policy's logprobs + noise, so a first step's ratio is exp(-noise).
+    rollout_offset [R]: with algorithm.tis_cap set, rollout_logp = old_logp + rollout_offset, so the truncated-IS
+    weight is min(exp(-rollout_offset), cap).
+    """
     g = torch.Generator().manual_seed(seed)
     batch = []
     for i in range(n):
@@ -68,7 +74,20 @@ def random_batch(n: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
                 "noise": torch.randn(r, generator=g) * 0.3,  # old_logp offsets: ratios cross both clips
             }
         )
+    for b in batch:  # drawn last, so every other field keeps the values it had before this one was added
+        b["rollout_offset"] = torch.randn(len(b["response"]), generator=g) * 0.5  # weights exp(-offset) around 1
     return batch
+
+
+def hf_response_logprobs(model, sample: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' model on prompt + response: (logp [R] float64, differentiable; entropy [R] float64) of the
+    response tokens under softmax(logits / temperature)."""
+    ids = torch.tensor([sample["prompt"] + sample["response"]])
+    logp = torch.log_softmax(model(ids).logits[0].double() / temperature, dim=-1)
+    p, r = len(sample["prompt"]), len(sample["response"])
+    span = slice(p - 1, p + r - 1)  # position t predicts token t + 1
+    token = logp[span].gather(-1, torch.tensor(sample["response"])[:, None])[:, 0]
+    return token, -(logp.exp() * logp).sum(-1)[span].detach()
 
 
 def run_worker(case: Path, out: Path, nproc: int, *args: str) -> dict:

@@ -6,6 +6,7 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - logprobs: response logprobs and entropy at --temperature;
 - train: old logprobs (offset by the batch's fixed noise, so clipping happens), one
   train step, then this stage's TP-gathered gradients and updated weights and the metrics;
+  with algorithm.tis_cap set, rollout logprobs too: old logprobs + the batch's rollout_offset;
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
   memory the sync added (VmHWM reset before it, against VmRSS before it). BRIDGE_FORMAT names the
@@ -108,6 +109,8 @@ def main() -> None:
         if first is not None:  # the last pipeline stage computes the loss
             for i, s in enumerate(samples):
                 s.old_logp = first[i]["logp"] + mine[i]["noise"]
+                if cfg.tis_cap() is not None:  # truncated-IS weights min(exp(-rollout_offset), cap)
+                    s.rollout_logp = s.old_logp + mine[i]["rollout_offset"]
         result["metrics"] = policy.train_step(samples, args.temperature)
         result["grads"] = tp_gathered_tensors(policy.model, arch, layout, grads=True)
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import hf_response_logprobs, random_batch, run_worker, save_case, tiny_hf_model
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
@@ -23,21 +23,8 @@ VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not cou
 
 
 def hf_reference(model, batch: list[dict], temperature: float) -> list[dict[str, torch.Tensor]]:
-    out = []
     with torch.no_grad():
-        for b in batch:
-            ids = torch.tensor([b["prompt"] + b["response"]])
-            logits = model(ids).logits[0].double() / temperature
-            logp = torch.log_softmax(logits, dim=-1)
-            p, r = len(b["prompt"]), len(b["response"])
-            span = slice(p - 1, p + r - 1)
-            out.append(
-                {
-                    "logp": logp[span].gather(-1, torch.tensor(b["response"])[:, None])[:, 0],
-                    "entropy": -(logp.exp() * logp).sum(-1)[span],
-                }
-            )
-    return out
+        return [dict(zip(("logp", "entropy"), hf_response_logprobs(model, b, temperature))) for b in batch]
 
 
 @pytest.mark.parametrize(
@@ -68,7 +55,9 @@ def test_bf16_policy_tracks_fp32_transformers(tmp_path):
     got = run_worker(case, tmp_path / "out", 1, "--mode", "logprobs", "--temperature", "1.0", "model.dtype=bf16")
     want = hf_reference(model, batch, 1.0)
     diff = max(float((g["logp"].double() - w["logp"]).abs().max()) for g, w in zip(got["logprobs"], want))
-    assert 0 < diff < 0.05, diff  # differs (it is bf16), but only by rounding
+    # differs (it is bf16), but only by rounding: 0.0023 here (0.0014-0.0023 over model seeds 3, 4, 8), where a
+    # log-softmax taken in bf16 rather than fp32 errs by 0.025
+    assert 0 < diff < 0.006, diff
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -89,8 +78,8 @@ def test_train_steps_move_logprobs_with_the_advantage(tmp_path, sign):
     assert first["actor/update_applied"] == 1.0 and first["actor/grad_norm"] > 0
 
 
-def test_pack_microbatches_respects_the_token_budget():
-    lengths = [int(x) for x in torch.randint(1, 40, (50,))]
+def test_pack_microbatches_respects_the_token_budget(seed):
+    lengths = [int(x) for x in torch.randint(1, 40, (50,), generator=torch.Generator().manual_seed(seed))]
     groups = pack_microbatches(lengths, 100)
     assert sorted(i for g in groups for i in g) == list(range(50))
     for g in groups:
@@ -105,9 +94,9 @@ def test_pack_microbatches_respects_the_token_budget():
         assert sum(lengths[i] for i in g) <= 100 or len(g) == 1
 
 
-def test_padded_and_packed_layouts_hold_the_same_tokens():
+def test_padded_and_packed_layouts_hold_the_same_tokens(seed):
     """The THD layout (Transformer Engine) against the padded one: same targets, advantages and masks per sample."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     samples = []
     for k in range(5):
         p, r = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))

@@ -1,27 +1,131 @@
-"""TP=2, PP=2 and DP=2 (2 processes, gloo, torchrun) against the 1-process run, and global token-mean.
+"""One DAPO train step against transformers in float64, TP=2, PP=2 and DP=2 (2 processes, gloo, torchrun) against
+the 1-process run, global token-mean, and truncated IS reaching the loss.
 
-Each layout runs the same tiny model and the same mini-batch through one DAPO train step;
-loss, gradients and the weights after the AdamW step must match the 1-process run at fp32
-tolerances. The token-mean check: one mini-batch split into 1, 2 or 4 micro-batches, and
-over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail).
+Each layout runs the same tiny model and the same mini-batch through one DAPO train step. The reference is
+transformers' own model in float64 with the DAPO loss written out here: the loss, its normaliser, the clip counts,
+the ratio metrics, the clipped gradients and AdamW's first step must match it; the 2-process layouts must also
+match the 1-process run at fp32 tolerances. The token-mean check: one mini-batch split into 1, 2 or 4 micro-batches,
+and over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail).
 """
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
-from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import hf_response_logprobs, random_batch, run_worker, save_case, tiny_hf_model
+
+from megatron_dapo.convert.layouts import megatron_to_hf
+from megatron_dapo.model.arch import ModelArch
 
 SEQ = 16  # prompt + response tokens of every sample: equal, so micro-batch splits are exact
+TEMPERATURE = 0.9  # the worker's default
+EPS_LOW, EPS_HIGH = 0.15, 0.35  # unequal and neither the default (0.2, 0.28): a swapped or mis-wired bound fails
+LOSS = [f"algorithm.eps_low={EPS_LOW}", f"algorithm.eps_high={EPS_HIGH}"]
+LR, ADAM_EPS = 1e-3, 1e-4  # the worker's base config (no warm-up)
+WEIGHT_DECAY, CLIP_GRAD = 0.1, 1.0  # the config's defaults
+TIS_CAP = 1.5  # about a fifth of the weights exp(-rollout_offset) lie above it
+NEAR_BOUND = 1e-4  # |log r - log bound| under which fp32 rounding may put a token on either side of a clip bound
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    return save_case(tiny_hf_model("qwen2"), random_batch(8, SEQ, 250), tmp_path_factory.mktemp("case"))
+def model():
+    return tiny_hf_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return random_batch(8, SEQ, 250)
+
+
+@pytest.fixture(scope="module")
+def case(model, batch, tmp_path_factory):
+    return save_case(model, batch, tmp_path_factory.mktemp("case"))
 
 
 def run(case, tmp_path, name: str, nproc: int, *overrides: str) -> dict:
-    return run_worker(case, tmp_path / name, nproc, "--mode", "train", *overrides)
+    return run_worker(case, tmp_path / name, nproc, "--mode", "train", *LOSS, *overrides)
+
+
+def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict:
+    """The worker's first train step, written out in float64 on transformers' model.
+
+    The worker's old_logp is the policy's own logprobs + noise; here it is transformers' logprobs + noise, so the
+    ratio is exp(-noise) in both up to fp32 rounding. Loss: token-mean of the clipped surrogate over the whole
+    mini-batch (times min(exp(old_logp - rollout_logp), tis_cap) with truncated IS); the gradient clipped to
+    CLIP_GRAD; AdamW's first step, where m_hat = g and v_hat = g^2 whatever the betas. Returns the loss and metrics,
+    clip_low / clip_high as (tokens surely clipped, tokens within NEAR_BOUND of the bound), and grads / weights
+    under Hugging Face names.
+    """
+    hf = copy.deepcopy(model).double()
+    kept = [b for b in batch if b["in_loss"]]  # an overlong-filtered response is out of the loss and of its count
+    tokens = sum(len(b["response"]) for b in kept)
+    loss = torch.zeros((), dtype=torch.float64)
+    ratios, advantages, entropies = [], [], []
+    for b in kept:
+        logp, entropy = hf_response_logprobs(hf, b, TEMPERATURE)
+        ratio = torch.exp(logp - (logp.detach() + b["noise"].double()))
+        adv = b["advantage"]
+        token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
+        if tis_cap is not None:  # old_logp - rollout_logp = -rollout_offset
+            token_loss = token_loss * torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
+        loss = loss + token_loss.sum() / tokens
+        ratios.append(ratio.detach())
+        advantages.append(torch.full_like(logp, adv).detach())
+        entropies.append(entropy)
+    loss.backward()
+    r, adv = torch.cat(ratios), torch.cat(advantages)
+
+    def clipped(sign: torch.Tensor, past: torch.Tensor, bound: float) -> tuple[int, int]:
+        """(tokens of this advantage sign past the bound, those of them within fp32 rounding of it)."""
+        near = (r.log() - math.log(bound)).abs() < NEAR_BOUND
+        return int((sign & past & ~near).sum()), int((sign & near).sum())
+
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    grad_norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+    scale = min(1.0, CLIP_GRAD / (grad_norm + 1e-6))  # Megatron's clip_grad_norm
+    grads = {n: g * scale for n, g in grads.items()}
+    weights = {  # decoupled weight decay on matrices only (not on biases and norms)
+        n: p.detach() * (1 - LR * WEIGHT_DECAY * (p.dim() > 1)) - LR * grads[n] / (grads[n].abs() + ADAM_EPS)
+        for n, p in hf.named_parameters()
+    }
+    return {
+        "loss": float(loss.detach()),
+        "tokens": tokens,
+        "ratio_mean": float(r.mean()),
+        "approx_kl": float((r - 1 - r.log()).mean()),
+        "entropy": float(torch.cat(entropies).mean()),
+        "clip_low": clipped(adv < 0, r < 1 - EPS_LOW, 1 - EPS_LOW),
+        "clip_high": clipped(adv > 0, r > 1 + EPS_HIGH, 1 + EPS_HIGH),
+        "grad_norm": grad_norm,
+        "grads": grads,
+        "weights": weights,
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(model, batch):
+    return dapo_float64(model, batch)
+
+
+def assert_matches_float64(want: dict, got: dict, case, what: str) -> None:
+    m = got["metrics"]
+    assert m["actor/update_applied"] == 1.0 and m["actor/lr"] == LR, what
+    assert m["actor/normalizer"] == want["tokens"] and m["actor/tokens"] == want["tokens"], what
+    for key in ("loss", "ratio_mean", "approx_kl", "entropy", "grad_norm"):
+        assert m[f"actor/{key}"] == pytest.approx(want[key], rel=1e-5), f"{what} {key}"
+    for side in ("low", "high"):
+        sure, near = want[f"clip_{side}"]
+        count = round(m[f"actor/clip_frac_{side}"] * want["tokens"])
+        assert sure <= count <= sure + near, f"{what} clip_{side}: {count} tokens, expected {sure} (+ {near} near)"
+    arch = ModelArch.from_hf_dir(case)
+    for key, rtol, atol in (("grads", 1e-5, 3e-7), ("weights", 0.0, 5e-7)):  # observed: 4e-8 and 8e-8 at most
+        hf = {n: t.double() for name, full in got[key].items() for n, t in megatron_to_hf(name, full, arch)}
+        assert hf.keys() == want[key].keys(), what
+        for name, t in want[key].items():
+            torch.testing.assert_close(hf[name], t, rtol=rtol, atol=atol, msg=f"{what} {key} {name}")
 
 
 def assert_same(ref: dict, got: dict, what: str) -> None:
@@ -39,26 +143,24 @@ def reference(case, tmp_path_factory):
     return run(case, tmp_path_factory.mktemp("ref"), "ref", 1, f"train.max_tokens_per_microbatch={8 * SEQ}")
 
 
-def test_reference_run_is_a_real_update(reference):
-    m = reference["metrics"]
-    batch = random_batch(8, SEQ, 250)
-    assert m["actor/normalizer"] == sum(len(b["response"]) for b in batch if b["in_loss"])
-    assert m["actor/grad_norm"] > 0 and m["actor/update_applied"] == 1.0
-    assert m["actor/clip_frac_low"] > 0 and m["actor/clip_frac_high"] > 0  # the noise exercises both clips
-    assert any(g.abs().max() > 0 for g in reference["grads"].values())
+def test_one_process_step_matches_float64_transformers(reference, expected, case):
+    """Clip bounds wired to the wrong fields, the overlong mask lost, grads rescaled or AdamW misconfigured all fail."""
+    assert expected["clip_low"][0] > 0 and expected["clip_high"][0] > 0  # the noise exercises both clips
+    assert_matches_float64(expected, reference, case, "1 process")
 
 
 @pytest.mark.parametrize(
     "name, overrides",
     [
-        ("tp2", ["parallel.tp=2"]),
-        ("pp2", ["parallel.pp=2"]),
-        ("dp2", ["parallel.use_distributed_optimizer=false"]),
+        pytest.param("tp2", ["parallel.tp=2"], id="tp2"),
+        pytest.param("pp2", ["parallel.pp=2"], id="pp2"),
+        pytest.param("dp2", ["parallel.use_distributed_optimizer=false"], id="dp2"),
     ],
 )
-def test_two_process_layouts_match_one_process(case, reference, tmp_path, name, overrides):
+def test_two_process_layouts_match_one_process(case, reference, expected, tmp_path, name, overrides):
     got = run(case, tmp_path, name, 2, f"train.max_tokens_per_microbatch={8 * SEQ}", *overrides)
     assert_same(reference, got, name)
+    assert_matches_float64(expected, got, case, name)
 
 
 def test_distributed_optimizer_over_dp2_gives_the_same_weights(case, reference, tmp_path):
@@ -70,13 +172,14 @@ def test_distributed_optimizer_over_dp2_gives_the_same_weights(case, reference, 
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
-def test_token_mean_is_global_across_micro_batches(case, reference, tmp_path, microbatches):
+def test_token_mean_is_global_across_micro_batches(case, reference, expected, tmp_path, microbatches):
     budget = 8 // microbatches * SEQ
     got = run(case, tmp_path, f"mb{microbatches}", 1, f"train.max_tokens_per_microbatch={budget}")
     assert_same(reference, got, f"{microbatches} micro-batches")
+    assert_matches_float64(expected, got, case, f"{microbatches} micro-batches")
 
 
-def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, tmp_path):
+def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, expected, tmp_path):
     # 2 DP ranks x 2 micro-batches each: the normaliser spans all four
     got = run(
         case,
@@ -87,6 +190,23 @@ def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, tmp_p
         "parallel.use_distributed_optimizer=false",
     )
     assert_same(reference, got, "dp2 x 2 micro-batches")
+    assert_matches_float64(expected, got, case, "dp2 x 2 micro-batches")
+
+
+def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, tmp_path):
+    """Rollout logprobs and algorithm.tis_cap: the loss and gradients are those of the IS-weighted loss in float64.
+
+    Two micro-batches, so each must carry its own samples' rollout logprobs; the cap changes the loss, so a loss
+    without the weights, or with them uncapped, fails.
+    """
+    weights = torch.cat([torch.exp(-b["rollout_offset"]) for b in batch if b["in_loss"]])
+    assert (weights > TIS_CAP).any() and (weights < 1).any()
+    want = dapo_float64(model, batch, tis_cap=TIS_CAP)
+    uncapped = dapo_float64(model, batch, tis_cap=math.inf)
+    for other in (expected, uncapped):  # far beyond the rel=1e-5 the comparison allows
+        assert abs(want["loss"] - other["loss"]) > 1e-2 * abs(want["loss"])
+    got = run(case, tmp_path, "tis", 1, f"train.max_tokens_per_microbatch={4 * SEQ}", f"algorithm.tis_cap={TIS_CAP}")
+    assert_matches_float64(want, got, case, "truncated IS")
 
 
 @pytest.mark.slow
