@@ -85,6 +85,29 @@ def _ensure_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def _fresh_adam_state(optimizer) -> None:
+    """Give a never-stepped torch Adam(W) the state its first step would create: step 0 and zero moments.
+
+    Saving asks every parameter's state for its step (Megatron's distributed optimizer asserts one common value), so
+    a run whose every update so far was skipped (a non-finite loss from the first step on) could not be saved. The
+    state is exactly what torch.optim.AdamW initialises lazily, so the next step is the same either way.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+            continue
+        for group in inner.param_groups:
+            on_device = group.get("capturable") or group.get("fused")
+            for p in group["params"]:
+                moments = (
+                    ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+                )
+                inner.state[p] = {
+                    "step": torch.zeros((), device=p.device if on_device else "cpu"),
+                    **{m: torch.zeros_like(p, memory_format=torch.preserve_format) for m in moments},
+                }
+
+
 def _restore_adam_steps(optimizer) -> None:
     """Give every parameter its own Adam `step` tensor, holding the checkpoint's step.
 
@@ -134,6 +157,7 @@ class CheckpointManager:
         dist.barrier()
         from megatron.core import dist_checkpointing
 
+        _fresh_adam_state(policy.optimizer)
         _, sharded = _sharded_state(policy, is_loading=False)
         with in_process_write_results():
             dist_checkpointing.save(sharded, str(tmp / "dist"))

@@ -13,8 +13,9 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   weight format the receiving end asks for (rollout/quantize.py: none, fp8, fp8_rounded).
 - serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
   through the bridge, then generates greedily (no training). Engines run in-process, one per rank.
-- resume: train, checkpoint, train on; a fresh policy resumed from the checkpoint trains the same
-  step; then the newest checkpoint is corrupted and a resume falls back to the previous one.
+- resume: checkpoint before any update, train, checkpoint, train on; a fresh policy resumed from the checkpoint
+  trains the same step; the newest checkpoint is corrupted and a resume falls back to the previous one; a fresh
+  policy resumed from the never-stepped checkpoint trains the first step again.
 - nan: a mini-batch whose loss is NaN is skipped (weights, optimizer and LR schedule untouched);
   the next finite one trains.
 - vllm: a vLLM engine (one per rank, in-process, serving --case's HF checkpoint) generates,
@@ -143,8 +144,13 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
                 s.old_logp = logps[i]["logp"] + mine[i]["noise"]
         return p.train_step(samples, 0.9)
 
+    # saved before any update (as when every update so far was skipped): no Adam state yet, step 0
+    never = CheckpointManager(os.path.join(out, "ckpt0"), keep_last=1)
+    never.save(policy, 0, {})
+    first = step(policy)
+    after_first = tp_gathered_tensors(policy.model, arch, layout)
     manager = CheckpointManager(os.path.join(out, "ckpt"), keep_last=2)
-    for _ in range(3):  # several optimizer steps: Adam's step count must come back right, not as 1
+    for _ in range(2):  # several optimizer steps: Adam's step count must come back right, not as 1
         step(policy)
     manager.save(policy, 1, {"loader": {"queue": [3, 1, 2]}, "python_random": random.random()})
     expected_random = random.random()  # the RNG stream right after the save
@@ -167,7 +173,16 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
             f.write_bytes(b"garbage")
     dist.barrier()
     fallback = manager.load(MegatronPolicy(cfg, arch, layout, None))
+
+    # the never-stepped checkpoint resumes into the first step the uninterrupted policy took
+    restarted = MegatronPolicy(cfg, arch, layout, None)
+    never.load(restarted)
+    first_b = step(restarted)
     return {
+        "first": first,
+        "first_b": first_b,
+        "weights_first": after_first,
+        "weights_first_b": tp_gathered_tensors(restarted.model, arch, layout),
         "metrics_a": second,
         "metrics_b": second_b,
         "weights": after_a,

@@ -27,4 +27,9 @@ def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoin
     assert got["state"]["step"] == 1 and got["state"]["trainer"]["loader"] == {"queue": [3, 1, 2]}
     assert got["rng_same"]
     assert got["fallback_step"] == 1
+    # saved before any update (Adam had no state): resumed, the first step is the first step again, bit for bit
+    for key in ("actor/loss", "actor/grad_norm", "actor/lr"):
+        assert got["first_b"][key] == got["first"][key], key
+    for name, t in got["weights_first"].items():
+        assert torch.equal(got["weights_first_b"][name], t), name
     assert got["kept"] == ["step_00000001", "step_00000002"]
