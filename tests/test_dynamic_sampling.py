@@ -621,9 +621,11 @@ def test_two_engines_share_the_work_and_train_what_one_engine_trains(pool, mode,
     one = loader(make_dataset(200), ScriptedEngine(script, capacity=16), pool, **kw)
     engines = {0: ScriptedEngine(script, capacity=8), 1: ScriptedEngine(script, capacity=8)}
     two = loader(make_dataset(200), engines, pool, **kw)
+    trained_by = set()
     for _ in range(4):
         a, b = one.next_batch(), two.next_batch()
         assert [(g.index, g.lengths, g.acc) for g in a.groups] == [(g.index, g.lengths, g.acc) for g in b.groups]
-        assert {g.engine for g in b.groups} == {0, 1}  # both did work
+        trained_by |= {g.engine for g in b.groups}
+    assert trained_by == {0, 1}  # both did work that was trained (one batch of 6 may come from one engine alone)
     counts = [len(e.submitted) for e in engines.values()]
     assert abs(counts[0] - counts[1]) <= max(counts) // 4  # each new group goes where the fewest are in flight
