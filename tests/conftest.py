@@ -55,4 +55,6 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for name, value in item.user_properties:
             if name == "seed":
-                report.sections.append(("seed", f"this test's seed: {value}; replay: pytest '{item.nodeid}' --seed {value}"))
+                report.sections.append(
+                    ("seed", f"this test's seed: {value}; replay: pytest '{item.nodeid}' --seed {value}")
+                )
