@@ -58,9 +58,13 @@ def equality_check(device, dtypes=(torch.float32, torch.bfloat16), b: int = 8, t
         near &= mask
         scale = torch.where(mask, adv.abs()[:, None] * (r + 1) * isw, 0).sum().item()
         for path, norm in (("separate bwd", None), ("fused grad", n_valid)):
-            lp = logp.clone().requires_grad_()
-            out = fused_policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, normalizer=norm, **kw)
-            (out.loss_sum / n_valid).backward()
+            runs = []
+            for _ in range(2):  # the same call twice: no atomics, so bit-identical (races show only on a GPU)
+                lp = logp.clone().requires_grad_()
+                out = fused_policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, normalizer=norm, **kw)
+                (out.loss_sum / n_valid).backward()
+                runs.append((out.loss_sum, *out.stats.values(), lp.grad))
+            repeat = all(torch.equal(a, b) for a, b in zip(*runs))
             loss_err = abs(out.loss_sum.item() - ref.loss_sum.item()) / max(scale, 1e-30)
             stat_err = max(
                 abs(out.stats[k].item() - ref.stats[k].item()) / max(abs(ref.stats[k].item()), 1.0)
@@ -79,12 +83,14 @@ def equality_check(device, dtypes=(torch.float32, torch.bfloat16), b: int = 8, t
                 and kl_err <= 2e-6
                 and grad_err <= grad_tol
                 and torch.isfinite(lp.grad).all().item()
+                and repeat
             )
             ok &= good
             print(
                 f"  equality {str(dtype).removeprefix('torch.'):9s} {path:12s}: loss {loss_err:.1e}, "
                 f"stats {stat_err:.1e}, kl {kl_err:.1e}, grad {grad_err:.1e} (tol {grad_tol:.0e}), "
-                f"{int(near.sum())} tokens at a clip boundary -> {'ok' if good else 'MISMATCH'}"
+                f"{int(near.sum())} tokens at a clip boundary, repeat {'bit-identical' if repeat else 'DIFFERS'} -> "
+                f"{'ok' if good else 'MISMATCH'}"
             )
     return ok
 

@@ -40,12 +40,14 @@ def main() -> None:
     )
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--entropy-chunk-elements", type=int, default=None, help="token_entropy's chunk (logits per pass)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
     args = ap.parse_args()
 
     from megatron.core import parallel_state
 
     from megatron_dapo.config import load_config
+    from megatron_dapo.model import logprobs
     from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy, TrainSample
@@ -55,6 +57,8 @@ def main() -> None:
     # would turn 1e-9 differences in near-zero grads into lr-sized differences in the weights
     base = ["model.dtype=fp32", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.adam_eps=1e-4"]
     cfg = load_config(overrides=[*base, *args.overrides])
+    if args.entropy_chunk_elements:
+        logprobs.ENTROPY_CHUNK_ELEMENTS = args.entropy_chunk_elements
     arch = ModelArch.from_hf_dir(args.case)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=1234)
     policy = MegatronPolicy(cfg, arch, layout, torch.load(os.path.join(args.case, "weights.pt")))
@@ -164,6 +168,14 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     resumed_random = random.random()
     second_b = step(fresh)
     after_b = tp_gathered_tensors(fresh.model, arch, layout)
+    # closed and dropped, a policy's memory goes back (Megatron's config would otherwise keep it: OOM on a GPU)
+    import gc
+    import weakref
+
+    fresh_param = weakref.ref(next(fresh.model[0].parameters()))
+    fresh.close()
+    del fresh
+    gc.collect()
 
     # the newest checkpoint is damaged: `latest` points at it, load falls back to step 1
     import torch.distributed as dist
@@ -192,6 +204,7 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
         "fallback_step": fallback["step"],
         "kept": sorted(p.name for p in manager.complete()),
         "megatron": "set",
+        "closed_policy_freed": fresh_param() is None,
     }
 
 

@@ -33,3 +33,4 @@ def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoin
     for name, t in got["weights_first"].items():
         assert torch.equal(got["weights_first_b"][name], t), name
     assert got["kept"] == ["step_00000001", "step_00000002"]
+    assert got["closed_policy_freed"]

@@ -40,7 +40,9 @@ def test_logprobs_and_entropy_match_transformers(tmp_path, family, tied, nproc, 
     model = tiny_hf_model(family, seed=3, vocab_size=VOCAB, tied=tied)
     batch = random_batch(6, 14, VOCAB, seed=5)
     case = save_case(model, batch, tmp_path / "case")
-    got = run_worker(case, tmp_path / "out", nproc, "--mode", "logprobs", "--temperature", "0.7", *overrides)
+    # entropy in chunks of 5 (tp2: 10) positions of the 256 padded columns: uneven chunk boundaries in every row set
+    chunk = ["--entropy-chunk-elements", "1280"]
+    got = run_worker(case, tmp_path / "out", nproc, "--mode", "logprobs", "--temperature", "0.7", *chunk, *overrides)
     want = hf_reference(model, batch, 0.7)
     for g, w in zip(got["logprobs"], want):
         torch.testing.assert_close(g["logp"].double(), w["logp"], rtol=0, atol=1e-5)

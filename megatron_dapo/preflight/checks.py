@@ -13,6 +13,7 @@ import io
 import math
 import os
 import platform
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -113,13 +114,16 @@ def _time_step(peak: float, shape: str, seq: int, batch: int, steps: int, *overr
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     policy = MegatronPolicy(cfg, arch, layout, None)
-    samples = random_samples(arch.vocab_size, batch, seq // 4, seq, seed=0)
-    logprob_s, train_s = time_train_step(policy, samples, steps)
+    try:
+        samples = random_samples(arch.vocab_size, batch, seq // 4, seq, seed=0)
+        logprob_s, train_s = time_train_step(policy, samples, steps)
+    finally:
+        policy.close()  # the next variant builds its own policy in this process
+        del policy
+        _free_memory()
     out = train_rates(arch, seq, batch * seq, 1, logprob_s, train_s, peak)
     if torch.cuda.is_available():
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
-    del policy
-    _free_memory()
     return out
 
 
@@ -237,6 +241,40 @@ def check_kernel_timing(ctx: dict) -> Result:
     return Result(ok, n, "; ".join(errors)[:500], details=rows)
 
 
+RECOMPUTE_VARIANTS = (
+    ("", ()),
+    ("selective_", ("model.recompute=selective",)),
+    ("recompute_", ("model.recompute=full",)),
+)
+"""The train rows' variants (key prefix, overrides): no recompute, the attention core, whole layers. Without
+Transformer Engine the local layers hold [heads, seq, seq] attention scores per layer, which 'selective' drops."""
+
+
+def variants_result(n: dict[str, Any], time_variant: Callable[[tuple[str, ...]], dict]) -> Result:
+    """A train row from time_variant(overrides) -> rates, per RECOMPUTE_VARIANTS. A variant that runs out of GPU
+    memory is a capacity fact of this layout on this GPU, reported as `<prefix>oom` (what it asked for); the row
+    passes if at least one variant ran and every number is finite and positive where it must be."""
+    import torch
+
+    ran, oom = [], []
+    for prefix, overrides in RECOMPUTE_VARIANTS:
+        try:
+            rates = time_variant(overrides)
+        except torch.OutOfMemoryError as e:
+            asked = re.search(r"Tried to allocate [\d.]+ \w+", str(e))
+            n[prefix + "oom"] = asked.group(0) if asked else str(e)[:120]
+            oom.append(prefix + "oom")
+            rates = None
+        if rates is None:
+            _free_memory()  # out of the except block: its traceback no longer holds the failed step's tensors
+            continue
+        keys = ("train_tokens_per_s", "mfu", "logprob_mfu", "train_step_s", "peak_gib")
+        n.update({prefix + k: rates[k] for k in keys if k in rates})
+        ran.append(prefix + "mfu")
+    ok = bool(ran) and _finite(n) and all(n[k] > 0 for k in ran)
+    return Result(ok, n, f"out of memory: {', '.join(oom)}" if oom else "")
+
+
 def train_check(shape: str) -> Callable[[dict], Result]:
     def run(ctx: dict) -> Result:
         import torch
@@ -249,11 +287,7 @@ def train_check(shape: str) -> Callable[[dict], Result]:
             seq, batch, steps = (128, 4, 1) if ctx["fast"] else (256, 4, 2)
         peak = _peak_tflops(ctx, torch.bfloat16 if cuda else torch.float32)
         n: dict[str, Any] = {"seq": seq, "batch": batch, "peak_tflops": round(peak, 2)}
-        for prefix, overrides in (("", ()), ("recompute_", ("model.recompute=full",))):
-            rates = _time_step(peak, shape, seq, batch, steps, *overrides)
-            keys = ("train_tokens_per_s", "mfu", "logprob_mfu", "train_step_s", "peak_gib")
-            n.update({prefix + k: rates[k] for k in keys if k in rates})
-        return Result(_finite(n) and n["mfu"] > 0 and n["recompute_mfu"] > 0, n)
+        return variants_result(n, lambda overrides: _time_step(peak, shape, seq, batch, steps, *overrides))
 
     return run
 
@@ -290,6 +324,7 @@ def check_determinism(ctx: dict) -> Result:
                 s.old_logp = lp["logp"]
             m = policy.train_step(samples, 1.0)
             trace.append((m["actor/loss"], m["actor/grad_norm"], torch.cat([lp["logp"] for lp in logps])))
+        policy.close()  # the second policy needs the memory of the first
         del policy
         _free_memory()
         return start, trace
