@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-slurm system-packages lint demo mutants clean
+.PHONY: install test test-fast test-slurm system-packages lint demo mutants coverage clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ test-fast: $(STAMP) system-packages  # everything but the end-to-end runs marked
 # for it (tests/mutants/run.py). Minutes, so not part of `make test`: run it before calling an issue resolved.
 mutants: $(STAMP) system-packages
 	$(BIN)/python tests/mutants/run.py
+
+# Line coverage of the package over the whole suite, subprocesses included (.coveragerc: coverage's subprocess patch,
+# one data file per process, combined). Slower than `make test`; its totals go in benchmarks/RESULTS.md.
+COVERAGE_DIR := $(CURDIR)/runs/coverage
+coverage: $(STAMP) system-packages
+	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
+	COVERAGE_FILE=$(COVERAGE_DIR)/.coverage COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage run -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
+	cd $(COVERAGE_DIR) && COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage combine -q && \
+		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage report > report.txt; tail -1 report.txt
 
 # Debian packages some tests need: a private two-node Slurm cluster on this machine for the sbatch scripts
 # (tests/test_slurm_cluster.py, tests/slurm/cluster.sh) and shellcheck for the scripts' lint (tests/test_slurm.py).

