@@ -22,7 +22,7 @@ from typing import Callable
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a user fixes, not us: ConfigError, DatasetError, ArchError, ConvertError, EvalError are ValueErrors."""
     from megatron_dapo.checkpoint import CheckpointError  # imported late: torch reads its log level at import
-    from megatron_dapo.data.scheduler import DynamicSamplingError
+    from megatron_dapo.sampling.scheduler import DynamicSamplingError
 
     return ValueError, FileNotFoundError, CheckpointError, DynamicSamplingError
 

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_dapo.config import load_config
     from megatron_dapo.data.datasets import PromptDataset
-    from megatron_dapo.data.dynamic_sampling import DynamicSamplingError
+    from megatron_dapo.sampling.loader import DynamicSamplingError
     from megatron_dapo.train import MetricSinks
     from megatron_dapo.trainer import Trainer, progress_line
 

@@ -15,7 +15,7 @@ Every rank hosts an in-process vLLM engine; an engine spans `rollout.tp` consecu
 world_size / rollout_tp engines, each fed groups on demand by the scheduler. A group's responses
 stay on its engine's first rank, which scores them; only their summaries (lengths, correctness,
 rewards) reach every rank. Once the batch is known each response moves, as tensors, to the ranks of
-the data-parallel replica that trains it (data/exchange.py). Each data-parallel rank trains on its
+the data-parallel replica that trains it (sampling/exchange.py). Each data-parallel rank trains on its
 slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
 rank's bridge streams the full weights into its own engine.
 """
@@ -38,12 +38,12 @@ from megatron_dapo.algorithm import (
 )
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
-from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
-from megatron_dapo.data.exchange import Comm, SampleId, deliver
-from megatron_dapo.data.records import GroupMeta
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.reward import RewardBatch
 from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.sampling.exchange import Comm, SampleId, deliver
+from megatron_dapo.sampling.loader import DynamicSamplingLoader
+from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.timing import PhaseTimer
 from megatron_dapo.types import Prompt, Response
 

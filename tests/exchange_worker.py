@@ -11,10 +11,10 @@ import sys
 import torch.distributed as dist
 from scripted_engine import ScriptedEngine, make_dataset
 
-from megatron_dapo.data.dynamic_sampling import DynamicSamplingLoader
-from megatron_dapo.data.exchange import Comm, deliver, gather_metas, gather_stopped
-from megatron_dapo.data.records import GroupMeta, Stopped
 from megatron_dapo.reward import RewardPool
+from megatron_dapo.sampling.exchange import Comm, deliver, gather_metas, gather_stopped
+from megatron_dapo.sampling.loader import DynamicSamplingLoader
+from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
 G = 3

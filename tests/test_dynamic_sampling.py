@@ -17,10 +17,10 @@ import torch
 from scripted_engine import ScriptedEngine, make_dataset
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.dynamic_sampling import DynamicSamplingError, DynamicSamplingLoader
-from megatron_dapo.data.group_summary import load_group_filter
-from megatron_dapo.data.scheduler import SamplingScheduler
 from megatron_dapo.reward import RewardPool
+from megatron_dapo.sampling.group_summary import load_group_filter
+from megatron_dapo.sampling.loader import DynamicSamplingError, DynamicSamplingLoader
+from megatron_dapo.sampling.scheduler import SamplingScheduler
 
 G = 4
 

@@ -20,6 +20,7 @@ LAYERS = (
     ("convert", {"convert"}),
     ("rollout", {"rollout"}),
     ("data", {"data"}),
+    ("sampling", {"sampling"}),  # dynamic sampling: drives engines (rollout) and the reward pool over datasets (data)
     ("entry", {"checkpoint", "trainer", "train", "demo", "cli", "evaluate", "hf_export", "preflight"}),  # wiring
 )
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

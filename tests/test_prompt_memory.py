@@ -16,9 +16,9 @@ from scripted_engine import ScriptedEngine, make_dataset
 from test_dynamic_sampling import G, loader, same_state, torch_round_trip
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.prompt_memory import HISTORY, PromptMemory, SkipPolicy, hash_uniform, persistence
-from megatron_dapo.data.scheduler import SamplingScheduler
 from megatron_dapo.reward import RewardPool
+from megatron_dapo.sampling.prompt_memory import HISTORY, PromptMemory, SkipPolicy, hash_uniform, persistence
+from megatron_dapo.sampling.scheduler import SamplingScheduler
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The paper-scale sampler simulator (megatron_dapo/data/sim/): its time model against formulas worked
+"""The paper-scale sampler simulator (megatron_dapo/sampling/sim/): its time model against formulas worked
 by hand, its calibration against its sources, and tiny simulations driven by the real SamplingScheduler."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_dapo.data.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.data.sim.driver import RowConfig, paper_rows, simulate
-from megatron_dapo.data.sim.engines import EngineModel
-from megatron_dapo.data.sim.hardware import QWEN25_32B
-from megatron_dapo.data.sim.workload import Workload, _beta_informative, solve_beta
+from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
+from megatron_dapo.sampling.sim.driver import RowConfig, paper_rows, simulate
+from megatron_dapo.sampling.sim.engines import EngineModel
+from megatron_dapo.sampling.sim.hardware import QWEN25_32B
+from megatron_dapo.sampling.sim.workload import Workload, _beta_informative, solve_beta
 
 FATES = ("trained", "uninformative", "wasted", "carried", "paused")
 

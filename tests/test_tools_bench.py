@@ -1,4 +1,4 @@
-"""tools/estimate_step_time.py (megatron_dapo/data/step_time.py) against its formulas worked by hand;
+"""tools/estimate_step_time.py (megatron_dapo/sampling/sim/step_time.py) against its formulas worked by hand;
 tools/bench_throughput.py end to end on CPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.data import step_time as est
+from megatron_dapo.sampling.sim import step_time as est
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 

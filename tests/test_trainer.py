@@ -19,8 +19,8 @@ from run_helpers import comparable, metrics, python_path
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.data.records import GroupMeta
 from megatron_dapo.model.tiny import build_tiny_qwen2
+from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.trainer import minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
 

@@ -10,7 +10,7 @@
     python tools/bench_sampler.py --part sim --regimes late --p 0.25 0.5 --stream-margin 0
     python tools/bench_sampler.py --part sim --tables memory --drift 0.02    # prompt memory only
 
---part sim: the paper-scale discrete-event model of megatron_dapo/data/sim/ (its docstrings
+--part sim: the paper-scale discrete-event model of megatron_dapo/sampling/sim/ (its docstrings
 and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 engines of Qwen2.5-32B
 at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler deciding. Prints the
 calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
@@ -23,7 +23,7 @@ issue's goals, each with its measured value. --json writes every step of every r
 
 The prompt-memory table (--tables memory): stream without and with sampler.skip on a workload whose
 prompts get easier with training (Workload.drift, 0.02 a step by default: the model is in
-megatron_dapo/data/sim/workload.py), at starting informative fractions 0.25 and 0.5, run for
+megatron_dapo/sampling/sim/workload.py), at starting informative fractions 0.25 and 0.5, run for
 --memory-warmup steps (20: more than one pass over the 17,917 prompts, so every prompt has a record) and
 then the measured steps; both rows train the same 512 groups a step. Columns: generation seconds per step
 and their ratio to stream, groups generated and prompts skipped per step, the informative fraction of what
@@ -53,12 +53,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_dapo.data.prompt_memory import SkipPolicy
-from megatron_dapo.data.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.data.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
-from megatron_dapo.data.sim.engines import EngineModel
-from megatron_dapo.data.sim.hardware import QWEN25_32B
-from megatron_dapo.data.sim.workload import Workload
+from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
+from megatron_dapo.sampling.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
+from megatron_dapo.sampling.sim.engines import EngineModel
+from megatron_dapo.sampling.sim.hardware import QWEN25_32B
+from megatron_dapo.sampling.sim.workload import Workload
 
 REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of each length regime."""
@@ -69,7 +69,7 @@ GROUP = 16
 def _calibration_summary(engine: EngineModel, cal, cpu: dict) -> tuple[list[str], dict]:
     m = engine.model
     lines = [
-        "Calibration (megatron_dapo/data/sim/calibration.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
+        "Calibration (megatron_dapo/sampling/sim/calibration.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
         f"  model {m.name}: {m.params / 1e9:.3f} B parameters, {m.weight_bytes / 1e9:.2f} GB bf16, "
         f"KV {m.kv_bytes_per_token} B/token; engine = {engine.tp} x {engine.gpu.name} "
         f"({engine.gpu.bandwidth / 1e12:.2f} TB/s, {engine.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16)",

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from megatron_dapo.cli import argument_parser
-from megatron_dapo.data.prompt_memory import persistence
+from megatron_dapo.sampling.prompt_memory import persistence
 
 
 def main(argv: list[str]) -> dict:

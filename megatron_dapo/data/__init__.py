@@ -1,1 +1,1 @@
-"""Prompt datasets, the offline problem generator, the dynamic-sampling loader and its simulator (sim/)."""
+"""Prompt datasets (jsonl/parquet, DAPO-Math-17K, GSM8K) and the offline problem generator."""

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.data.records import GroupMeta, Stopped
+from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
 SampleId = tuple[int, int]

@@ -1,12 +1,12 @@
 """Which prompt groups to generate, on which engine, and which to train on: the dynamic-sampling decisions.
 
 A deterministic state machine with no I/O, no engines and no torch.distributed: the loader
-(dynamic_sampling.py) feeds it what the engines report, and the paper-scale simulator
+(loader.py) feeds it what the engines report, and the paper-scale simulator
 (sim/driver.py) feeds it simulated engines, so both run exactly these rules. Every rank
 holds an identical scheduler and feeds it the same observations in the same order, so every
 rank takes the same decisions, and a resumed run takes the ones the uninterrupted run took.
 The records it exchanges are in records.py; the step in progress (its batch, counters and
-statistics) is sampling_step.py's StepState.
+statistics) is step.py's StepState.
 
 One rollout step:
 
@@ -54,9 +54,9 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron_dapo.choices import SAMPLER_MODES, SHORTFALL_POLICIES
-from megatron_dapo.data.prompt_memory import PromptMemory, SkipPolicy
-from megatron_dapo.data.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
-from megatron_dapo.data.sampling_step import StepState
+from megatron_dapo.sampling.prompt_memory import PromptMemory, SkipPolicy
+from megatron_dapo.sampling.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
+from megatron_dapo.sampling.step import StepState
 
 INITIAL_INFORMATIVE_FRAC = 0.5
 """The first step's guess of the informative fraction; later steps start from what earlier steps measured."""

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dapo.data.sim.hardware import H100, LLAMA3_8B, LLAMA3_70B, GPUSpec, ModelSpec
+from megatron_dapo.sampling.sim.hardware import H100, LLAMA3_8B, LLAMA3_70B, GPUSpec, ModelSpec
 
 # ----------------------------------------------------------------------------- calibration sources
 

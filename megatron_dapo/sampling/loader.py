@@ -34,15 +34,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Protocol
 
 from megatron_dapo.config import Config
-from megatron_dapo.data.exchange import Comm, gather_metas, gather_stopped
-from megatron_dapo.data.group_summary import GroupFilter, GroupShaping, load_group_filter, token_versions
-from megatron_dapo.data.prompt_memory import SkipPolicy
-from megatron_dapo.data.records import GroupMeta, Stopped, Submission
-from megatron_dapo.data.scheduler import DynamicSamplingError, SamplingScheduler
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
+from megatron_dapo.sampling.exchange import Comm, gather_metas, gather_stopped
+from megatron_dapo.sampling.group_summary import GroupFilter, GroupShaping, load_group_filter, token_versions
+from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.sampling.records import GroupMeta, Stopped, Submission
+from megatron_dapo.sampling.scheduler import DynamicSamplingError, SamplingScheduler
 from megatron_dapo.types import Group, Prompt, Response
 
-log = logging.getLogger("megatron_dapo.data")
+log = logging.getLogger("megatron_dapo.sampling")
 
 __all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "StepBatch"]
 

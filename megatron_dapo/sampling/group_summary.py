@@ -10,7 +10,7 @@ import torch
 
 from megatron_dapo.algorithm import informative_groups, soft_overlong_punishment
 from megatron_dapo.config import ConfigError
-from megatron_dapo.data.records import GroupMeta
+from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.types import Group, Response
 
 GroupFilter = Callable[[Group], bool]

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_dapo.data.records import GroupMeta
+from megatron_dapo.sampling.records import GroupMeta
 
 COUNTS = (
     "groups",

@@ -4,7 +4,7 @@ What it answers: at the paper's scale (Qwen2.5-32B, 512 prompts x 16 responses p
 32 colocated vLLM engines of TP=4, as verl's DAPO 32B recipe), how long does one rollout step's
 generation take with each sampler mode (fill dropping or carrying the surplus, stream, stream with
 partial rollout, and an oracle that only ever draws informative prompts)? The decisions are made by
-megatron_dapo.data.scheduler.SamplingScheduler itself, fed exactly as DynamicSamplingLoader.next_batch
+megatron_dapo.sampling.scheduler.SamplingScheduler itself, fed exactly as DynamicSamplingLoader.next_batch
 feeds it; only the engines and the prompts' outcomes are simulated.
 
 Modules, each with its assumptions in its docstring (benchmarks/SAMPLER_CALIBRATION.md has the

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from megatron_dapo.data.prompt_memory import SkipPolicy
-from megatron_dapo.data.scheduler import SamplingScheduler
-from megatron_dapo.data.sim.engines import EngineModel, EnginePool
-from megatron_dapo.data.sim.workload import Workload
+from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.sampling.scheduler import SamplingScheduler
+from megatron_dapo.sampling.sim.engines import EngineModel, EnginePool
+from megatron_dapo.sampling.sim.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_dapo.data.records import GroupMeta, Stopped, Submission
-from megatron_dapo.data.sim.calibration import Calibration, fit_h100_calibration
-from megatron_dapo.data.sim.hardware import H100, QWEN25_32B, GPUSpec, ModelSpec
-from megatron_dapo.data.sim.workload import Workload
+from megatron_dapo.sampling.records import GroupMeta, Stopped, Submission
+from megatron_dapo.sampling.sim.calibration import Calibration, fit_h100_calibration
+from megatron_dapo.sampling.sim.hardware import H100, QWEN25_32B, GPUSpec, ModelSpec
+from megatron_dapo.sampling.sim.workload import Workload
 
 # ----------------------------------------------------------------------------- engine time model
 
