@@ -171,7 +171,7 @@ class Trainer:
         self.comm = Comm(self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
-        self.loader = DynamicSamplingLoader.from_config(
+        self.loader = DynamicSamplingLoader(
             cfg,
             self.dataset,
             {self.engine_id: self.engine},

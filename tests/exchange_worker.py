@@ -9,7 +9,7 @@ import json
 import sys
 
 import torch.distributed as dist
-from scripted_engine import ScriptedEngine, make_dataset
+from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.sampling.exchange import Comm, deliver, gather_metas, gather_stopped
@@ -79,12 +79,7 @@ def agreement(comm: Comm) -> dict:
     out = {}
     with RewardPool(num_workers=1) as pool:
         for case, seeds in (("same", (5, 5)), ("different", (5, 6))):
-            loader = DynamicSamplingLoader(
-                make_dataset(40),
-                {comm.rank: ScriptedEngine(scripted, capacity=8)},
-                pool,
-                num_engines=2,
-                comm=comm,
+            cfg = loader_config(
                 group_size=4,
                 train_batch_size=3,
                 gen_batch_size=4,
@@ -93,6 +88,8 @@ def agreement(comm: Comm) -> dict:
                 tick_steps=2,
                 seed=seeds[comm.rank],
             )
+            engines = {comm.rank: ScriptedEngine(scripted, capacity=8)}
+            loader = DynamicSamplingLoader(cfg, make_dataset(40), engines, pool, num_engines=2, comm=comm)
             steps, error = [], None
             try:
                 for _ in range(2):

@@ -10,11 +10,13 @@ are real "Answer: N" responses, scored by the real reward pool.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
+from megatron_dapo.config import Config, SamplerConfig
 from megatron_dapo.rollout.engine import GroupRequest
 from megatron_dapo.types import Prompt, Response
 
@@ -35,6 +37,25 @@ def make_dataset(n: int, data_source: str = "synthetic_dapo") -> list[Prompt]:
         )
         for i in range(n)
     ]
+
+
+LOADER_SECTIONS = ("algorithm", "sampler", "rollout", "data")
+"""The config sections the loader reads, in the order a field name is looked up (rollout before eval)."""
+
+
+def loader_config(sampler: Optional[SamplerConfig] = None, **fields) -> Config:
+    """The Config a loader test runs: `sampler` as its sampler section (default: the shipped one), then each named
+    field set in the first of LOADER_SECTIONS that has it (`seed` at the top level). A name no section has fails."""
+    cfg = Config()
+    if sampler is not None:
+        cfg.sampler = dataclasses.replace(sampler)
+    for name, value in fields.items():
+        if name == "seed":
+            cfg.seed = value
+            continue
+        section = next(s for s in LOADER_SECTIONS if name in {f.name for f in dataclasses.fields(getattr(cfg, s))})
+        setattr(getattr(cfg, section), name, value)
+    return cfg
 
 
 def answer_text(prompt: int, correct: bool) -> str:

@@ -14,9 +14,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scripted_engine import ScriptedEngine, make_dataset
+from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import ConfigError, SamplerConfig, load_config
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.sampling.group_summary import load_group_filter
 from megatron_dapo.sampling.loader import DynamicSamplingError, DynamicSamplingLoader
@@ -32,13 +32,11 @@ def pool():
 
 
 def loader(dataset, engine, pool, **kw):
-    kw.setdefault("group_size", G)
-    kw.setdefault("max_response_length", 100)
-    kw.setdefault("overlong_buffer_len", 20)
-    kw.setdefault("tick_steps", 2)
-    kw.setdefault("mode", "fill")
+    """A loader over `engine` (or {id: engine}) with the config's fields named in kw (scripted_engine.loader_config):
+    groups of G, responses up to 100 tokens with a 20-token overlong buffer, ticks of 2 steps, fill by default."""
+    kw = {"group_size": G, "max_response_length": 100, "overlong_buffer_len": 20, "tick_steps": 2, "mode": "fill"} | kw
     engines = engine if isinstance(engine, dict) else {0: engine}
-    return DynamicSamplingLoader(dataset, engines, pool, num_engines=len(engines), **kw)
+    return DynamicSamplingLoader(loader_config(**kw), dataset, engines, pool, num_engines=len(engines))
 
 
 def correct_first(num_correct, length=lambda p, j: 5):
@@ -269,16 +267,20 @@ def test_dynamic_bs_trains_on_one_round(pool):
     assert ds.scheduler.carry == []
 
 
-def test_user_filter_and_no_dynamic_sampling(pool):
+def test_user_filter_and_no_dynamic_sampling(pool, tmp_path, monkeypatch):
     correct = {i: [0, 2, G][i % 3] for i in range(30)}
     engine = ScriptedEngine(correct_first(lambda i: correct[i]))
-    seen = []
+    # a user's filter (sampler.filter): keep every group with a right answer, all-correct ones included
+    (tmp_path / "solved_filter.py").write_text(
+        "seen = []\n\n\ndef solved(group):\n"
+        "    seen.append((group.prompt.index, list(group.scores), list(group.rewards)))\n"
+        "    return group.num_correct > 0 and group.rewards[0] == 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import solved_filter
 
-    def solved(group):  # a user's filter: keep every group with a right answer, all-correct ones included
-        seen.append((group.prompt.index, list(group.scores), list(group.rewards)))
-        return group.num_correct > 0 and group.rewards[0] == 1.0
-
-    ds = loader(make_dataset(30), engine, pool, train_batch_size=6, gen_batch_size=6, filter_fn=solved)
+    seen = solved_filter.seen
+    ds = loader(make_dataset(30), engine, pool, train_batch_size=6, gen_batch_size=6, filter="solved_filter:solved")
     batch = ds.next_batch()
     # exactly the filter's choice, in draw order: the default informative test (0 < correct < G) would drop the
     # all-correct groups and keep fewer of these
@@ -299,7 +301,7 @@ def test_user_filter_and_no_dynamic_sampling(pool):
     assert len(batch.groups) == 6 and batch.stats["sampler/gen_rounds"] == 1
 
 
-def test_from_config_and_bad_engines(pool, tmp_path, monkeypatch):
+def test_the_config_reaches_the_loader_and_bad_engines(pool, tmp_path, monkeypatch):
     cfg = load_config(
         overrides=[
             "algorithm.group_size=4",
@@ -308,9 +310,9 @@ def test_from_config_and_bad_engines(pool, tmp_path, monkeypatch):
             "optim.mini_batch_size=8",
         ]
     )
-    ds = DynamicSamplingLoader.from_config(cfg, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, j < 2))}, pool)
-    assert (ds.group_size, ds.scheduler.train_batch_size, ds.max_response_length) == (4, 2, 20480)
-    assert ds.scheduler.mode == "stream"  # the default
+    ds = DynamicSamplingLoader(cfg, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, j < 2))}, pool)
+    assert (ds.group_size, ds.scheduler.cfg.train_batch_size, ds.max_response_length) == (4, 2, 20480)
+    assert ds.scheduler.cfg.mode == "stream"  # the default
     assert len(ds.next_batch().groups) == 2
 
     class Short(ScriptedEngine):
@@ -327,7 +329,7 @@ def test_from_config_and_bad_engines(pool, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_group_filter("my_filters:keep_all")(None) is True
     # the config's filter reaches the loader: every group all wrong, so only keep_all can fill the batch
-    kept = DynamicSamplingLoader.from_config(
+    kept = DynamicSamplingLoader(
         load_config(overrides=[*cfg_overrides(), "sampler.filter=my_filters:keep_all", "sampler.max_gen_batches=1"]),
         make_dataset(4),
         {0: ScriptedEngine(lambda p, j, s: (3, False))},
@@ -342,9 +344,7 @@ def test_from_config_and_bad_engines(pool, tmp_path, monkeypatch):
     ]:
         bad = load_config(overrides=[*cfg_overrides(), f"sampler.filter={spec}"])
         with pytest.raises(ConfigError, match=f"sampler.filter=.*{why}"):
-            DynamicSamplingLoader.from_config(
-                bad, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, True))}, pool
-            )
+            DynamicSamplingLoader(bad, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, True))}, pool)
 
 
 def cfg_overrides():
@@ -413,7 +413,8 @@ def test_aborted_groups_return_to_the_head_of_the_queue(pool):
 
 
 def test_stream_needs_fewer_groups_in_flight_as_the_batch_fills(pool):
-    sched = SamplingScheduler(1000, 1, group_size=G, train_batch_size=64, mode="stream", engine_sequences=10_000)
+    sampler = SamplerConfig(train_batch_size=64, mode="stream", engine_sequences=10_000)
+    sched = SamplingScheduler(sampler, 1000, 1, group_size=G)
     sched.begin_step()
     first = sched.plan()
     # at the first step's guess p = 0.5: enough for 64 with one binomial sigma to spare, not the whole cap
@@ -448,7 +449,7 @@ def _trained_lengths(pool, mode: str, seed: int, steps: int = 40, scheduler=None
         kw |= {"mode": "stream", "partial_rollout": True, "engine_sequences": 12 * G}
     ds = loader(make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=6, gen_batch_size=12, **kw)
     if scheduler is not None:
-        ds.scheduler = scheduler(3000, 1, group_size=G, train_batch_size=6, gen_batch_size=12, **kw)
+        ds.scheduler = scheduler(ds.scheduler.cfg, 3000, 1, group_size=G, seed=seed)
     return [statistics.mean(g.lengths) for _ in range(steps) for g in ds.next_batch().groups]
 
 

@@ -15,10 +15,9 @@ import pytest
 from scripted_engine import ScriptedEngine, make_dataset
 from test_dynamic_sampling import G, loader, same_state, torch_round_trip
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import ConfigError, SamplerConfig, load_config
 from megatron_dapo.reward import RewardPool
-from megatron_dapo.sampling.prompt_memory import HISTORY, PromptMemory, SkipPolicy, hash_uniform, persistence
-from megatron_dapo.sampling.scheduler import SamplingScheduler
+from megatron_dapo.sampling.prompt_memory import HISTORY, PromptMemory, hash_uniform, persistence
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def test_hash_uniform_is_deterministic_and_uniform(seed):
 @pytest.mark.parametrize("explore, streak", [(0.5, 1), (0.5, 3), (0.9, 2), (0.2, 1)])
 def test_skip_probability_is_one_minus_explore_to_the_streak(explore, streak, seed):
     n = 20_000
-    mem = PromptMemory(n, G, SkipPolicy(enabled=True, max_consecutive=10**4), seed=seed)
+    mem = PromptMemory(n, G, SamplerConfig(skip=True, skip_max_consecutive=10**4), seed=seed)
     for p in range(n):
         for _ in range(streak):
             mem.record(p, 0, G if p % 2 else 0, 10.0)  # all correct (odd) or all wrong (even): the same streak length
@@ -91,11 +90,11 @@ def test_skip_probability_is_one_minus_explore_to_the_streak(explore, streak, se
 
 
 def test_no_skipping_without_evidence_or_when_off():
-    mem = PromptMemory(3, G, SkipPolicy(enabled=True))
+    mem = PromptMemory(3, G, SamplerConfig(skip=True))
     mem.explore = 1e-9
     mem.record(1, 0, 2, 5.0)  # informative: streak 0
     assert not any(mem.decide(p).skip for p in (0, 1) for _ in range(20))
-    off = PromptMemory(3, G, SkipPolicy(enabled=False))
+    off = PromptMemory(3, G, SamplerConfig(skip=False))
     off.record(0, 0, G, 5.0)
     off.explore = 1e-9
     assert not any(off.decide(0).skip for _ in range(20))
@@ -104,19 +103,19 @@ def test_no_skipping_without_evidence_or_when_off():
 
 def test_never_skipped_more_than_max_consecutive_times_in_a_row():
     k = 3
-    mem = PromptMemory(1, G, SkipPolicy(enabled=True, min_explore=1e-6, max_consecutive=k))
+    mem = PromptMemory(1, G, SamplerConfig(skip=True, skip_min_explore=1e-6, skip_max_consecutive=k))
     mem.record(0, 0, G, 5.0)
     mem.explore = 1e-6  # every skip that is allowed happens
     skips = [mem.decide(0).skip for _ in range(4 * (k + 1))]
     assert skips == ([True] * k + [False]) * 4
-    never = PromptMemory(1, G, SkipPolicy(enabled=True, max_consecutive=0))
+    never = PromptMemory(1, G, SamplerConfig(skip=True, skip_max_consecutive=0))
     never.record(0, 0, 0, 5.0)
     never.explore = 1e-6
     assert not any(never.decide(0).skip for _ in range(10))
 
 
 def test_exploration_adapts_toward_the_target_within_its_bounds():
-    mem = PromptMemory(1, G, SkipPolicy(enabled=True, target=0.5, adapt=0.3, min_explore=0.2))
+    mem = PromptMemory(1, G, SamplerConfig(skip=True, skip_target=0.5, skip_adapt=0.3, skip_min_explore=0.2))
     assert mem.explore == 1.0
     for frac, want in [(0.4, 0.7), (0.1, 0.4), (0.1, 0.2), (0.0, 0.2), (0.6, 0.5), (0.9, 0.8), (0.9, 1.0)]:
         mem.adapt(frac)
@@ -124,12 +123,12 @@ def test_exploration_adapts_toward_the_target_within_its_bounds():
 
 
 def test_state_round_trip_and_bad_state():
-    mem = PromptMemory(5, G, SkipPolicy(enabled=True), seed=3)
+    mem = PromptMemory(5, G, SamplerConfig(skip=True), seed=3)
     for p, c in [(0, G), (1, 0), (0, G), (2, 1)]:
         mem.record(p, 1, c, 3.5)
     mem.explore = 0.35
     mem.decide(0)
-    other = PromptMemory(5, G, SkipPolicy(enabled=True), seed=3)
+    other = PromptMemory(5, G, SamplerConfig(skip=True), seed=3)
     other.load_state_dict(torch_round_trip(mem.state_dict()))
     assert same_state(other.state_dict(), mem.state_dict())
     assert [other.decide(p) for p in range(5)] == [mem.decide(p) for p in range(5)]
@@ -143,8 +142,6 @@ def test_config_refuses_skip_where_it_cannot_predict():
         load_config(overrides=["sampler.skip=true", "algorithm.dynamic_sampling=false"])
     with pytest.raises(ConfigError, match="no sampler.filter"):
         load_config(overrides=["sampler.skip=true", "sampler.filter=my_filters:keep_all"])
-    with pytest.raises(ValueError, match="needs dynamic sampling"):
-        SamplingScheduler(10, group_size=G, dynamic_sampling=False, skip=SkipPolicy(enabled=True))
     assert load_config(overrides=["sampler.skip=true"]).sampler.skip
 
 
@@ -165,8 +162,8 @@ def test_every_prompt_is_generated_within_the_floor_when_everything_is_predicted
     informative = set(range(0, n, 4))  # a quarter of the prompts are informative, the rest always all correct
     engine = ScriptedEngine(by_prompt(lambda p, s: 2 if p in informative else G))
     # adapt=1: after the first step the exploration probability sits at its floor: every candidate is skipped
-    policy = SkipPolicy(enabled=True, target=1.0, adapt=1.0, min_explore=1e-9, max_consecutive=k)
-    ds = loader(make_dataset(n), engine, pool, mode="stream", train_batch_size=3, gen_batch_size=4, skip=policy)
+    policy = SamplerConfig(skip=True, skip_target=1.0, skip_adapt=1.0, skip_min_explore=1e-9, skip_max_consecutive=k)
+    ds = loader(make_dataset(n), engine, pool, mode="stream", train_batch_size=3, gen_batch_size=4, sampler=policy)
     sched = ds.scheduler
     batches = run_steps(ds, 30)
     epochs = sched.epoch
@@ -196,8 +193,8 @@ def test_skipping_never_changes_which_groups_count_as_informative(pool, mode, se
 
     def trained(skip: bool):
         engine = ScriptedEngine(by_prompt(outcome))
-        policy = SkipPolicy(enabled=skip, target=1.0, adapt=0.5, min_explore=0.05)
-        ds = loader(make_dataset(n), engine, pool, mode=mode, train_batch_size=4, gen_batch_size=6, skip=policy)
+        policy = SamplerConfig(skip=skip, skip_target=1.0, skip_adapt=0.5, skip_min_explore=0.05)
+        ds = loader(make_dataset(n), engine, pool, mode=mode, train_batch_size=4, gen_batch_size=6, sampler=policy)
         batches = run_steps(ds, 15)
         for b in batches:
             for g in b.groups:  # judged on its own samples, exactly as without skipping
@@ -235,8 +232,8 @@ def test_precision_and_the_horvitz_thompson_estimate_against_references(pool, se
         return {"correct": G, "wrong": 0, "informative": 2}[k]
 
     engine = ScriptedEngine(by_prompt(outcome))
-    policy = SkipPolicy(enabled=True, target=1.0, adapt=0.3, min_explore=0.3, max_consecutive=2)
-    ds = loader(make_dataset(n), engine, pool, mode="fill", train_batch_size=3, gen_batch_size=5, skip=policy)
+    policy = SamplerConfig(skip=True, skip_target=1.0, skip_adapt=0.3, skip_min_explore=0.3, skip_max_consecutive=2)
+    ds = loader(make_dataset(n), engine, pool, mode="fill", train_batch_size=3, gen_batch_size=5, sampler=policy)
     memory = ds.scheduler.memory
     decisions = []  # (prompt, Decision) in the order the scheduler asked: the real policy, observed
     decide = memory.decide
@@ -284,9 +281,9 @@ def test_state_save_restore_continues_exactly(pool):
     def fresh():
         rng_kind = {p: p % 4 for p in range(23)}
         engine = ScriptedEngine(by_prompt(lambda p, s: [G, 0, 2, G if s % 3 else 1][rng_kind[p]]), capacity=8)
-        policy = SkipPolicy(enabled=True, adapt=0.25)
+        policy = SamplerConfig(skip=True, skip_adapt=0.25)
         return loader(make_dataset(23), engine, pool, mode="stream", train_batch_size=3, gen_batch_size=3, seed=5,
-                      skip=policy)  # fmt: skip
+                      sampler=policy)  # fmt: skip
 
     a = fresh()
     run_steps(a, 8)

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.sampling.sim.driver import RowConfig, paper_rows, simulate
+from megatron_dapo.sampling.sim.driver import Row, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.workload import Workload, _beta_informative, solve_beta
@@ -33,14 +34,15 @@ def tiny_engine() -> EngineModel:
     return EngineModel.calibrated(max_num_seqs=SEQS)
 
 
-def tiny_rows() -> dict[str, RowConfig]:
-    rows = paper_rows(gen_batch_size=3 * BATCH, engine_sequences=SEQS)
-    return {r.name: r for r in rows}
+TINY = SamplerConfig(train_batch_size=BATCH, gen_batch_size=3 * BATCH, engine_sequences=SEQS, tick_steps=8)
 
 
-def run(row: RowConfig, workload: Workload, steps: int = 3, warmup: int = 1, **kw):
-    return simulate(row, tiny_engine(), workload, num_engines=ENGINES, train_batch_size=BATCH, steps=steps,
-                    warmup=warmup, tick_steps=8, **kw)  # fmt: skip
+def tiny_rows() -> dict[str, Row]:
+    return {r.name: r for r in paper_rows(TINY)}
+
+
+def run(row: Row, workload: Workload, steps: int = 3, warmup: int = 1, **kw):
+    return simulate(row, tiny_engine(), workload, num_engines=ENGINES, steps=steps, warmup=warmup, **kw)
 
 
 def test_step_time_is_the_formula():
@@ -116,7 +118,7 @@ def test_tiny_simulation_is_deterministic_and_its_tokens_add_up(name):
 
 def test_one_fill_round_lasts_at_least_its_longest_response():
     # every group informative and one round of exactly the batch: nothing wasted, nothing carried
-    row = RowConfig("one round", "fill", carry_surplus=False, gen_batch_size=BATCH, oracle=True)
+    row = Row("one round", replace(TINY, mode="fill", carry_surplus=False, gen_batch_size=BATCH), oracle=True)
     res = run(row, tiny_workload(oracle=True), steps=1, warmup=0)
     (s,) = res.steps
     assert s.rounds == 1 and s.wasted == 0 and s.carried == 0 and s.batch_groups == BATCH
@@ -128,7 +130,8 @@ def test_one_fill_round_lasts_at_least_its_longest_response():
 
 def test_stream_with_partial_rollout_wastes_almost_nothing():
     # 16-group steps are short next to the longest responses: a bound of 4 versions lets them finish
-    res = run(replace(tiny_rows()["stream+partial S=2"], max_staleness=4), tiny_workload(), steps=4)
+    row = tiny_rows()["stream+partial S=2"]
+    res = run(replace(row, sampler=replace(row.sampler, max_staleness=4)), tiny_workload(), steps=4)
     generated = sum(s.generated for s in res.measured)
     assert sum(s.wasted + s.wasted_earlier for s in res.measured) <= 0.01 * generated
     assert sum(s.paused for s in res.measured) > 0 and sum(s.resumed for s in res.measured) > 0

@@ -53,7 +53,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
 from megatron_dapo.sampling.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel
@@ -187,20 +187,20 @@ def _goal_table(goals: list[dict]) -> list[str]:
     return lines
 
 
-def _simulate_row(row, workload: Workload, engine: EngineModel, args, engines: int, batch: int, steps: int,
-                  warmup: int) -> dict:  # fmt: skip
-    """One table cell's simulation (SimResult.to_dict: every step and the summary)."""
-    return simulate(
-        row,
-        engine,
-        workload,
-        num_engines=engines,
+def _base_sampler(args: argparse.Namespace, batch: int) -> SamplerConfig:
+    """The sampler every simulated row starts from: the shipped defaults at this batch (fill rounds of 3 x batch, as
+    verl's recipe), with the engine budget and tick under study."""
+    return SamplerConfig(
         train_batch_size=batch,
-        steps=steps,
-        warmup=warmup,
+        gen_batch_size=3 * batch,
+        engine_sequences=args.engine_sequences,
         tick_steps=args.tick_steps,
-        seed=args.seed,
-    ).to_dict()
+    )
+
+
+def _simulate_row(row, workload: Workload, engine: EngineModel, args, engines: int, steps: int, warmup: int) -> dict:
+    """One table cell's simulation (SimResult.to_dict: every step and the summary)."""
+    return simulate(row, engine, workload, num_engines=engines, steps=steps, warmup=warmup, seed=args.seed).to_dict()
 
 
 def _memory_table(regime: str, results: dict) -> list[str]:
@@ -230,9 +230,9 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
     warmup = 6 if args.quick else args.memory_warmup
     prompts = 600 if args.quick else 17917  # quick: a small dataset, so a few steps pass over it
     rows = memory_rows(
-        gen_batch_size=3 * batch,
-        engine_sequences=args.engine_sequences,
-        skip=SkipPolicy(True, target=args.skip_target, max_consecutive=args.skip_max_consecutive),
+        replace(
+            _base_sampler(args, batch), skip_target=args.skip_target, skip_max_consecutive=args.skip_max_consecutive
+        )
     )
     print(
         f"\nprompt memory: {engines} engines, {batch} x {GROUP} per step, {prompts} prompts, drift {args.drift} a "
@@ -250,7 +250,7 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
                 workload = Workload(
                     p=p, mean_len=REGIMES[regime], seed=args.seed, drift=args.drift, num_prompts=prompts
                 )
-                results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, batch, steps, warmup)
+                results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, steps, warmup)
             r = results[regime][p]
             ratio = r["stream"]["summary"]["gen_s_mean"] / r["stream+skip"]["summary"]["gen_s_mean"]
             name = f"stream / stream+skip generation s per step, {regime}, p={p}"
@@ -270,15 +270,21 @@ def run_sim(args: argparse.Namespace) -> dict:
         engines, batch, steps, warmup = 4, 32, 2, 1
     else:
         engines, batch, steps, warmup = args.engines, 512, args.steps, args.warmup
-    rows = paper_rows(gen_batch_size=3 * batch, engine_sequences=args.engine_sequences)
+    rows = paper_rows(_base_sampler(args, batch))
     if args.stream_margin is not None:  # a sensitivity run: sampler.stream_margin (on-policy stream rows only)
-        rows = [replace(r, stream_margin=args.stream_margin) if r.mode == "stream" else r for r in rows]
+        rows = [
+            replace(r, sampler=replace(r.sampler, stream_margin=args.stream_margin))
+            if r.sampler.mode == "stream"
+            else r
+            for r in rows
+        ]
     regimes = {r: REGIMES[r] for r in args.regimes}
     print(
         f"\n{engines} engines, {batch} x {GROUP} per step, {warmup} warm-up + {steps} measured steps, "
         f"tick_steps {args.tick_steps}, seed {args.seed}; rows: "
         + "; ".join(
-            f"{r.name} (gen_batch_size {r.gen_batch_size}, engine_sequences {r.engine_sequences})" for r in rows
+            f"{r.name} (gen_batch_size {r.sampler.gen_batch_size}, engine_sequences {r.sampler.engine_sequences})"
+            for r in rows
         ),
         flush=True,
     )
@@ -292,9 +298,7 @@ def run_sim(args: argparse.Namespace) -> dict:
                     all_results[regime][p][row.name] = all_results[regime][args.p[0]][row.name]
                     continue
                 workload = Workload(p=p, mean_len=mean_len, oracle=row.oracle, seed=args.seed)
-                all_results[regime][p][row.name] = _simulate_row(
-                    row, workload, engine, args, engines, batch, steps, warmup
-                )
+                all_results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, steps, warmup)
             print(f"  {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
     goals = _goals(all_results)
@@ -449,8 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drift", type=float, default=0.02, help="sim, memory table: success-logit rise per step")
     ap.add_argument("--memory-p", type=float, nargs="+", default=[0.25, 0.5], help="sim, memory table: starting p")
     ap.add_argument("--memory-warmup", type=int, default=20, help="sim, memory table: warm-up steps")
-    ap.add_argument("--skip-target", type=float, default=SkipPolicy.target, help="sim: sampler.skip_target")
-    ap.add_argument("--skip-max-consecutive", type=int, default=SkipPolicy.max_consecutive,
+    ap.add_argument("--skip-target", type=float, default=SamplerConfig.skip_target, help="sim: sampler.skip_target")
+    ap.add_argument("--skip-max-consecutive", type=int, default=SamplerConfig.skip_max_consecutive,
                     help="sim: sampler.skip_max_consecutive")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every step of every run here")
     ap.add_argument("--model", help="real: start from this HF model directory instead of the demo's warm start")

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_dapo.algorithm import informative_groups, soft_overlong_punishment
-from megatron_dapo.config import ConfigError
+from megatron_dapo.config import AlgorithmConfig, ConfigError
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.types import Group, Response
 
@@ -39,13 +39,11 @@ def token_versions(responses: list[Response], current: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GroupShaping:
-    """How a finished group's scores become its rewards and its informative flag (algorithm.*, sampler.filter)."""
+    """How a finished group's scores become its rewards and its informative flag: the config's algorithm section
+    (overlong punishment, dynamic sampling), rollout.max_response_length and sampler.filter (imported)."""
 
+    algorithm: AlgorithmConfig
     max_response_length: int
-    overlong_punishment: bool = True
-    overlong_buffer_len: int = 4096
-    overlong_penalty_factor: float = 1.0
-    dynamic_sampling: bool = True
     filter_fn: Optional[GroupFilter] = None
 
     def summarise(self, key: int, group: Group, engine: int, scored: Any, version: int) -> GroupMeta:
@@ -57,14 +55,15 @@ class GroupShaping:
         lengths = [len(r.token_ids) for r in responses]
         scores = [float(x) for x in scored.scores]
         rewards = torch.tensor(scores, dtype=torch.float64)
-        if self.overlong_punishment:
+        a = self.algorithm
+        if a.overlong_punishment:
             rewards += soft_overlong_punishment(
-                torch.tensor(lengths), self.max_response_length, self.overlong_buffer_len, self.overlong_penalty_factor
+                torch.tensor(lengths), self.max_response_length, a.overlong_buffer_len, a.overlong_penalty_factor
             ).double()
         group.scores, group.acc, group.rewards = scores, [bool(a) for a in scored.acc], rewards.tolist()
         if self.filter_fn is not None:
             informative = bool(self.filter_fn(group))
-        elif self.dynamic_sampling:
+        elif a.dynamic_sampling:
             informative = bool(informative_groups(torch.tensor([group.acc]))[0])
         else:
             informative = True

@@ -36,8 +36,7 @@ from typing import Any, Optional, Protocol
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 from megatron_dapo.sampling.exchange import Comm, gather_metas, gather_stopped
-from megatron_dapo.sampling.group_summary import GroupFilter, GroupShaping, load_group_filter, token_versions
-from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.sampling.group_summary import GroupShaping, load_group_filter, token_versions
 from megatron_dapo.sampling.records import GroupMeta, Stopped, Submission
 from megatron_dapo.sampling.scheduler import DynamicSamplingError, SamplingScheduler
 from megatron_dapo.types import Group, Prompt, Response
@@ -80,93 +79,6 @@ class DynamicSamplingLoader:
 
     def __init__(
         self,
-        dataset: Sequence[Prompt],
-        engines: Mapping[int, StreamingEngine],
-        scorer: AsyncScorer,
-        *,
-        num_engines: int = 1,
-        owned: Optional[set[int]] = None,
-        comm: Optional[Comm] = None,
-        group_size: int = 16,
-        train_batch_size: int = 512,
-        gen_batch_size: int = 1536,
-        max_gen_batches: int = 10,
-        mode: str = "stream",
-        carry_surplus: bool = True,
-        partial_rollout: bool = False,
-        max_staleness: int = 1,
-        engine_sequences: int = 128,
-        stream_margin: float = 0.0,
-        on_shortfall: str = "error",
-        min_groups: int = 1,
-        tick_steps: int = 32,
-        dynamic_sampling: bool = True,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_response_length: int = 20480,
-        stop_token_ids: Optional[list[int]] = None,
-        overlong_punishment: bool = True,
-        overlong_buffer_len: int = 4096,
-        overlong_penalty_factor: float = 1.0,
-        shuffle: bool = True,
-        seed: int = 42,
-        filter_fn: Optional[GroupFilter] = None,
-        skip: Optional[SkipPolicy] = None,
-    ) -> None:
-        if group_size < 2:
-            raise ValueError(f"algorithm.group_size={group_size}: expected an integer >= 2")
-        if tick_steps < 1:
-            raise ValueError(f"sampler.tick_steps={tick_steps}: expected an integer >= 1")
-        self.dataset = dataset
-        self.engines = dict(engines)
-        self.owned = set(self.engines) if owned is None else set(owned)
-        self.scorer = scorer
-        self.comm = comm or Comm()
-        self.scheduler = SamplingScheduler(
-            len(dataset),
-            num_engines,
-            group_size=group_size,
-            train_batch_size=train_batch_size,
-            gen_batch_size=gen_batch_size,
-            max_gen_batches=max_gen_batches,
-            mode=mode,
-            carry_surplus=carry_surplus,
-            partial_rollout=partial_rollout,
-            max_staleness=max_staleness,
-            engine_sequences=engine_sequences,
-            stream_margin=stream_margin,
-            on_shortfall=on_shortfall,
-            min_groups=min_groups,
-            dynamic_sampling=dynamic_sampling or filter_fn is not None,
-            shuffle=shuffle,
-            seed=seed,
-            skip=skip or SkipPolicy(),
-        )
-        self.group_size = group_size
-        self.max_staleness = max_staleness
-        self.tick_steps = tick_steps
-        self.sampling = dict(
-            temperature=temperature, top_p=top_p, max_tokens=max_response_length, stop_token_ids=stop_token_ids
-        )
-        self.max_response_length = max_response_length
-        self.shaping = GroupShaping(
-            max_response_length=max_response_length,
-            overlong_punishment=overlong_punishment,
-            overlong_buffer_len=overlong_buffer_len,
-            overlong_penalty_factor=overlong_penalty_factor,
-            dynamic_sampling=dynamic_sampling,
-            filter_fn=filter_fn,
-        )
-        # this rank's share of the state: responses of the groups it owns that outlive a step
-        self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
-        self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
-        self._pending: list[tuple[int, int, Group, int, int]] = []  # (ticket, key, group, engine, tick): scoring
-        self._tick = 0  # ticks of the step in progress
-        self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
-
-    @classmethod
-    def from_config(
-        cls,
         cfg: Config,
         dataset: Sequence[Prompt],
         engines: Mapping[int, StreamingEngine],
@@ -176,41 +88,37 @@ class DynamicSamplingLoader:
         owned: Optional[set[int]] = None,
         comm: Optional[Comm] = None,
         stop_token_ids: Optional[list[int]] = None,
-    ) -> DynamicSamplingLoader:
+    ) -> None:
         a, s, r = cfg.algorithm, cfg.sampler, cfg.rollout
-        return cls(
-            dataset,
-            engines,
-            scorer,
-            num_engines=num_engines,
-            owned=owned,
-            comm=comm,
+        self.dataset = dataset
+        self.engines = dict(engines)
+        self.owned = set(self.engines) if owned is None else set(owned)
+        self.scorer = scorer
+        self.comm = comm or Comm()
+        filter_fn = load_group_filter(s.filter) if s.filter else None
+        self.scheduler = SamplingScheduler(
+            s,
+            len(dataset),
+            num_engines,
             group_size=a.group_size,
-            train_batch_size=s.train_batch_size,
-            gen_batch_size=s.gen_batch_size,
-            max_gen_batches=s.max_gen_batches,
-            mode=s.mode,
-            carry_surplus=s.carry_surplus,
-            partial_rollout=s.partial_rollout,
-            max_staleness=s.max_staleness,
-            engine_sequences=s.engine_sequences,
-            stream_margin=s.stream_margin,
-            on_shortfall=s.on_shortfall,
-            min_groups=s.min_groups,
-            tick_steps=s.tick_steps,
-            dynamic_sampling=a.dynamic_sampling,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_response_length=r.max_response_length,
-            stop_token_ids=stop_token_ids,
-            overlong_punishment=a.overlong_punishment,
-            overlong_buffer_len=a.overlong_buffer_len,
-            overlong_penalty_factor=a.overlong_penalty_factor,
-            shuffle=cfg.data.shuffle,
             seed=cfg.seed,
-            filter_fn=load_group_filter(s.filter) if s.filter else None,
-            skip=SkipPolicy(s.skip, s.skip_target, s.skip_adapt, s.skip_min_explore, s.skip_max_consecutive),
+            dynamic_sampling=a.dynamic_sampling or filter_fn is not None,
+            shuffle=cfg.data.shuffle,
         )
+        self.group_size = a.group_size
+        self.max_staleness = s.max_staleness
+        self.tick_steps = s.tick_steps
+        self.sampling = dict(
+            temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length, stop_token_ids=stop_token_ids
+        )
+        self.max_response_length = r.max_response_length
+        self.shaping = GroupShaping(a, r.max_response_length, filter_fn)
+        # this rank's share of the state: responses of the groups it owns that outlive a step
+        self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
+        self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
+        self._pending: list[tuple[int, int, Group, int, int]] = []  # (ticket, key, group, engine, tick): scoring
+        self._tick = 0  # ticks of the step in progress
+        self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
 
     @property
     def version(self) -> int:
@@ -273,7 +181,7 @@ class DynamicSamplingLoader:
         """One tick: stream, tick_steps engine steps; fill and dynamic_bs, until this rank's engines have finished
         their share of the round (a round is observed only once complete, so no rank need wait for another
         before that, as with a batch generate() per engine)."""
-        rounds = self.scheduler.mode in ("fill", "dynamic_bs")
+        rounds = self.scheduler.cfg.mode in ("fill", "dynamic_bs")
         steps = 0
         while steps < self.tick_steps or (rounds and any(e.in_flight() for e in self.engines.values())):
             for e, engine in self.engines.items():

@@ -58,17 +58,6 @@ def next_streak(z: int, num_correct: int, group_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class SkipPolicy:
-    """sampler.skip and its settings, defaults from the config (megatron_dapo.config.SamplerConfig documents them)."""
-
-    enabled: bool = SamplerConfig.skip
-    target: float = SamplerConfig.skip_target
-    adapt: float = SamplerConfig.skip_adapt
-    min_explore: float = SamplerConfig.skip_min_explore
-    max_consecutive: int = SamplerConfig.skip_max_consecutive
-
-
-@dataclass(frozen=True)
 class Decision:
     """What the policy said when a prompt came up."""
 
@@ -84,13 +73,17 @@ class Decision:
 class PromptMemory:
     """The per-prompt record and the skip policy; see the module docstring.
 
-    num_prompts: dataset size. group_size: G. seed: the loader's seed (skip decisions hash it).
+    num_prompts: dataset size. group_size: G. sampler: the config's sampler section, whose skip fields are the
+    policy (sampler.skip, skip_target, skip_adapt, skip_min_explore, skip_max_consecutive). seed: the loader's seed
+    (skip decisions hash it).
     """
 
-    def __init__(self, num_prompts: int, group_size: int, policy: Optional[SkipPolicy] = None, seed: int = 42) -> None:
+    def __init__(
+        self, num_prompts: int, group_size: int, sampler: Optional[SamplerConfig] = None, seed: int = 42
+    ) -> None:
         self.num_prompts = num_prompts
         self.group_size = group_size
-        self.policy = policy or SkipPolicy()
+        self.sampler = sampler or SamplerConfig()
         self.seed = seed
         n = num_prompts
         self.step = np.full((n, HISTORY), -1, dtype=np.int32)
@@ -129,10 +122,10 @@ class PromptMemory:
         """The prompt came up in the queue: generate it now, or defer it to a later epoch."""
         self.draws[prompt] += 1
         z = abs(int(self.streak[prompt]))
-        if not self.policy.enabled or z == 0:
+        if not self.sampler.skip or z == 0:
             self.skipped[prompt] = 0
             return Decision(skip=False, predicted=False, p_generate=1.0, tokens=0.0)
-        if self.skipped[prompt] >= self.policy.max_consecutive:  # the floor: this one is generated
+        if self.skipped[prompt] >= self.sampler.skip_max_consecutive:  # the floor: this one is generated
             self.skipped[prompt] = 0
             return Decision(skip=False, predicted=True, p_generate=1.0, tokens=0.0)
         p_skip = 1.0 - self.explore**z
@@ -145,10 +138,10 @@ class PromptMemory:
 
     def adapt(self, informative_frac: float) -> None:
         """After a step that generated groups: move the exploration probability toward the target fraction."""
-        if not self.policy.enabled:
+        if not self.sampler.skip:
             return
-        step = self.policy.adapt if informative_frac > self.policy.target else -self.policy.adapt
-        self.explore = min(1.0, max(self.policy.min_explore, self.explore + step))
+        step = self.sampler.skip_adapt if informative_frac > self.sampler.skip_target else -self.sampler.skip_adapt
+        self.explore = min(1.0, max(self.sampler.skip_min_explore, self.explore + step))
 
     # ---------------------------------------------------------------- state
 

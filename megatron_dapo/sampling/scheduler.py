@@ -53,8 +53,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from megatron_dapo.choices import SAMPLER_MODES, SHORTFALL_POLICIES
-from megatron_dapo.sampling.prompt_memory import PromptMemory, SkipPolicy
+from megatron_dapo.config import SamplerConfig
+from megatron_dapo.sampling.prompt_memory import PromptMemory
 from megatron_dapo.sampling.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
 from megatron_dapo.sampling.step import StepState
 
@@ -73,64 +73,32 @@ def _requeue_front(queue: list[int], indices: list[int]) -> list[int]:
 class SamplingScheduler:
     """The decisions of the dynamic-sampling loader; see the module docstring.
 
-    num_prompts: dataset size. num_engines: rollout engines across the world.
-    The remaining arguments are the sampler config's fields (see megatron_dapo.config.SamplerConfig).
+    sampler: the config's sampler section (validated here too, for a scheduler built outside a config).
+    num_prompts: dataset size. num_engines: rollout engines across the world. group_size: algorithm.group_size.
+    seed: the run's seed (prompt order, skip decisions). dynamic_sampling: false when every group is trained (no
+    informative test and no user filter). shuffle: data.shuffle.
     """
 
     def __init__(
         self,
+        sampler: SamplerConfig,
         num_prompts: int,
         num_engines: int = 1,
         *,
         group_size: int = 16,
-        train_batch_size: int = 512,
-        gen_batch_size: int = 1536,
-        max_gen_batches: int = 10,
-        mode: str = "stream",
-        carry_surplus: bool = True,
-        partial_rollout: bool = False,
-        max_staleness: int = 1,
-        engine_sequences: int = 128,
-        stream_margin: float = 0.0,
-        on_shortfall: str = "error",
-        min_groups: int = 1,
+        seed: int = 42,
         dynamic_sampling: bool = True,
         shuffle: bool = True,
-        seed: int = 42,
-        skip: Optional[SkipPolicy] = None,
     ) -> None:
-        if mode not in SAMPLER_MODES:
-            raise ValueError(f"sampler.mode={mode!r}: expected one of {SAMPLER_MODES}")
-        if on_shortfall not in SHORTFALL_POLICIES:
-            raise ValueError(f"sampler.on_shortfall={on_shortfall!r}: expected one of {SHORTFALL_POLICIES}")
-        if partial_rollout and mode != "stream":
-            raise ValueError(f"sampler.partial_rollout=true needs sampler.mode=stream, not {mode!r}")
+        sampler.validate()
         if num_prompts < 1:
             raise ValueError("the dataset is empty: the sampler has no prompt to draw")
-        skip = skip or SkipPolicy()
-        if skip.enabled and not dynamic_sampling:
-            raise ValueError("sampler.skip=true needs dynamic sampling: without it every group is trained")
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines}: expected at least 1")
-        if engine_sequences < group_size:
-            raise ValueError(
-                f"sampler.engine_sequences={engine_sequences}: expected at least algorithm.group_size={group_size} "
-                "(an engine takes whole groups)"
-            )
+        self.cfg = sampler
         self.num_prompts = num_prompts
         self.num_engines = num_engines
         self.group_size = group_size
-        self.train_batch_size = train_batch_size
-        self.gen_batch_size = gen_batch_size
-        self.max_gen_batches = max_gen_batches
-        self.mode = mode
-        self.carry_surplus = carry_surplus
-        self.partial_rollout = partial_rollout
-        self.max_staleness = max_staleness
-        self.engine_sequences = engine_sequences
-        self.stream_margin = stream_margin
-        self.on_shortfall = on_shortfall
-        self.min_groups = min_groups
         self.shuffle = shuffle
         self.seed = seed
         # state kept across steps (state_dict)
@@ -142,7 +110,7 @@ class SamplingScheduler:
         self.paused: list[Paused] = []
         # without dynamic sampling every group is trained: nothing to estimate
         self.informative_frac = INITIAL_INFORMATIVE_FRAC if dynamic_sampling else 1.0
-        self.memory = PromptMemory(num_prompts, group_size, skip, seed)
+        self.memory = PromptMemory(num_prompts, group_size, sampler, seed)
         # the step in progress
         self.flight: dict[int, Flight] = {}
         self._step: Optional[StepState] = None
@@ -199,16 +167,16 @@ class SamplingScheduler:
         st = self._step = StepState(version=v)
         fresh, stale = [], []
         for g in self.carry:  # trained this step at version v
-            (fresh if v - g.version <= self.max_staleness else stale).append(g)
+            (fresh if v - g.version <= self.cfg.max_staleness else stale).append(g)
         for g in stale:
             st.counts["groups_stale"] += 1
             st.counts["tokens_wasted_earlier"] += g.tokens
         st.counts["carried_in"] = len(fresh)
-        st.batch, self.carry = fresh[: self.train_batch_size], fresh[self.train_batch_size :]
+        st.batch, self.carry = fresh[: self.cfg.train_batch_size], fresh[self.cfg.train_batch_size :]
         requeue = [g.index for g in stale]
         resumed: list[Submission] = []
         for p in self.paused:
-            if v - p.version > self.max_staleness:  # only when max_staleness was lowered since it was paused
+            if v - p.version > self.cfg.max_staleness:  # only when max_staleness was lowered since it was paused
                 requeue.append(p.index)
                 st.counts["groups_stale"] += 1
                 st.counts["tokens_wasted_earlier"] += p.tokens
@@ -232,9 +200,9 @@ class SamplingScheduler:
     def step_done(self) -> bool:
         """The batch is full, or nothing more can be generated and nothing is generating."""
         st = self._require_step()
-        if self.mode == "dynamic_bs":
+        if self.cfg.mode == "dynamic_bs":
             return st.rounds == 1 and not self.flight
-        if len(st.batch) >= self.train_batch_size:
+        if len(st.batch) >= self.cfg.train_batch_size:
             return True
         return not self.flight and not self._can_submit()
 
@@ -242,11 +210,11 @@ class SamplingScheduler:
         st = self._step
         if st.exhausted:
             return False
-        if self.mode == "fill":
-            return not (self.max_gen_batches and st.rounds >= self.max_gen_batches)
-        if self.mode == "dynamic_bs":
+        if self.cfg.mode == "fill":
+            return not (self.cfg.max_gen_batches and st.rounds >= self.cfg.max_gen_batches)
+        if self.cfg.mode == "dynamic_bs":
             return st.rounds == 0
-        cap = self.max_gen_batches * self.gen_batch_size
+        cap = self.cfg.max_gen_batches * self.cfg.gen_batch_size
         return not (cap and st.submitted >= cap)
 
     def plan(self) -> list[Submission]:
@@ -254,27 +222,27 @@ class SamplingScheduler:
         st = self._require_step()
         if self.step_done or not self._can_submit():
             return []
-        if self.mode in ("fill", "dynamic_bs"):
+        if self.cfg.mode in ("fill", "dynamic_bs"):
             if self.flight:  # a round is generated to its end before it is filtered
                 return []
-            size = self.train_batch_size if self.mode == "dynamic_bs" else self.gen_batch_size
+            size = self.cfg.train_batch_size if self.cfg.mode == "dynamic_bs" else self.cfg.gen_batch_size
             st.rounds += 1
             out = self._submit(self._draw(size))
             st.round_left = len(out)
             return out
         # whole groups into the engines' free sample slots (engine_sequences each)
-        room = sum(max(0, (self.engine_sequences - load) // self.group_size) for load in self._load)
-        cap = self.max_gen_batches * self.gen_batch_size
+        room = sum(max(0, (self.cfg.engine_sequences - load) // self.group_size) for load in self._load)
+        cap = self.cfg.max_gen_batches * self.cfg.gen_batch_size
         if cap:
             room = min(room, cap - st.submitted)
-        if not self.partial_rollout:  # on-policy: only what the batch is expected to need, to abort little
-            wanted = st.groups_wanted(self.train_batch_size, self._informative_estimate(), self.stream_margin)
+        if not self.cfg.partial_rollout:  # on-policy: only what the batch is expected to need, to abort little
+            wanted = st.groups_wanted(self.cfg.train_batch_size, self._informative_estimate(), self.cfg.stream_margin)
             room = min(room, wanted - len(self.flight))
         return self._submit(self._draw(room)) if room > 0 else []
 
     def _informative_estimate(self) -> float:
         """The informative fraction: earlier steps' estimate, updated by this step's groups taken in order."""
-        return self._step.informative_estimate(self.informative_frac, self.train_batch_size)
+        return self._step.informative_estimate(self.informative_frac, self.cfg.train_batch_size)
 
     def _submit(self, indices: list[int]) -> list[Submission]:
         """Each prompt to the engine with the fewest unfinished samples (the most room), lowest id first on ties."""
@@ -316,17 +284,17 @@ class SamplingScheduler:
                 self._load[g.engine] -= self.group_size
             st.count_finished(g, flight.predicted, flight.p_generate)
             self.memory.record(g.index, self.version, g.num_correct, g.tokens / len(g.lengths))
-            if self.mode == "stream" and not self.partial_rollout:
+            if self.cfg.mode == "stream" and not self.cfg.partial_rollout:
                 st.waiting[g.key] = g
-            elif self.mode == "stream":
-                st.accept(g, self.train_batch_size)  # partial rollout: in completion order
+            elif self.cfg.mode == "stream":
+                st.accept(g, self.cfg.train_batch_size)  # partial rollout: in completion order
             else:
                 st.waiting[g.key] = g
                 st.round_left -= 1
-        if self.mode == "stream" and not self.partial_rollout:
-            st.commit_in_order(self.train_batch_size, stop_when_full=True)
-        elif self.mode != "stream" and st.round_left == 0 and st.waiting:  # the round is complete
-            st.commit_in_order(self.train_batch_size, stop_when_full=False)
+        if self.cfg.mode == "stream" and not self.cfg.partial_rollout:
+            st.commit_in_order(self.cfg.train_batch_size, stop_when_full=True)
+        elif self.cfg.mode != "stream" and st.round_left == 0 and st.waiting:  # the round is complete
+            st.commit_in_order(self.cfg.train_batch_size, stop_when_full=False)
 
     def close_step(self) -> dict[int, bool]:
         """End the step: {key: keep} for every group still generating; keep=True pauses it (partial rollout),
@@ -337,7 +305,7 @@ class SamplingScheduler:
         # stream (on-policy): everything behind the batch's last group goes back to the queue, finished or not.
         # Carrying the finished ones would favour short responses (whether a group is done by now depends on its
         # length: measured -5% mean trained length on a long-tailed script); the in-flight target keeps this small.
-        st.stopping = {key: self.partial_rollout for key in self.flight}
+        st.stopping = {key: self.cfg.partial_rollout for key in self.flight}
         return dict(st.stopping)
 
     def settle(self, stopped: dict[int, Stopped]) -> StepResult:
@@ -364,7 +332,7 @@ class SamplingScheduler:
             c["tokens_generated"] += info.tokens_now
             if info.first_version is None:  # never started: nothing generated, nothing lost
                 requeue.append((key, f.index))
-            elif keep and v + 1 - info.first_version <= self.max_staleness:
+            elif keep and v + 1 - info.first_version <= self.cfg.max_staleness:
                 self.paused.append(
                     Paused(key, f.index, f.engine, f.seed, info.first_version, info.tokens, f.predicted, f.p_generate)
                 )
@@ -374,27 +342,27 @@ class SamplingScheduler:
                 c["tokens_wasted"] += info.tokens_now
                 c["tokens_wasted_earlier"] += info.tokens - info.tokens_now
         shortfall = None
-        if len(st.batch) < self.train_batch_size and self.mode != "dynamic_bs":
+        if len(st.batch) < self.cfg.train_batch_size and self.cfg.mode != "dynamic_bs":
             shortfall = st.shortfall_reason(
                 num_prompts=self.num_prompts,
-                mode=self.mode,
-                max_gen_batches=self.max_gen_batches,
-                gen_batch_size=self.gen_batch_size,
-                train_batch_size=self.train_batch_size,
+                mode=self.cfg.mode,
+                max_gen_batches=self.cfg.max_gen_batches,
+                gen_batch_size=self.cfg.gen_batch_size,
+                train_batch_size=self.cfg.train_batch_size,
             )
         # surplus informative groups: trained next step (version v + 1) when allowed, else dropped
         for g in st.surplus:
-            if self.carry_surplus and v + 1 - g.version <= self.max_staleness:
+            if self.cfg.carry_surplus and v + 1 - g.version <= self.cfg.max_staleness:
                 self.carry.append(g)
                 c["tokens_carried"] += g.tokens_of_version(v)
             else:
-                if self.carry_surplus:  # too stale to carry: the prompt is tried again
+                if self.cfg.carry_surplus:  # too stale to carry: the prompt is tried again
                     requeue.append((g.key, g.index))
                 c["tokens_wasted"] += g.tokens_of_version(v)
                 c["tokens_wasted_earlier"] += g.tokens - g.tokens_of_version(v)
         self.queue = _requeue_front(self.queue, [idx for _, idx in sorted(requeue)])
         c["requeued"] = len(requeue)
-        if shortfall is not None and (self.on_shortfall == "error" or len(st.batch) < self.min_groups):
+        if shortfall is not None and (self.cfg.on_shortfall == "error" or len(st.batch) < self.cfg.min_groups):
             self.carry = st.batch + self.carry  # keep what was found (at the front: it is the oldest)
             self.informative_frac = self._informative_estimate()
             self._step = None
@@ -408,9 +376,9 @@ class SamplingScheduler:
             paused=len(self.paused),
             epoch=self.epoch,
             informative_estimate=self._informative_estimate(),
-            max_staleness=self.max_staleness,
+            max_staleness=self.cfg.max_staleness,
         )
-        if self.memory.policy.enabled:
+        if self.cfg.skip:
             stats |= st.skip_stats(self.memory.explore)
             if c["groups"]:
                 self.memory.adapt(c["informative"] / c["groups"])

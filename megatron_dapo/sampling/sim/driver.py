@@ -21,57 +21,44 @@ ticks of 8 to 512 steps moved the stream rows by under 1%.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from megatron_dapo.sampling.prompt_memory import SkipPolicy
+from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.scheduler import SamplingScheduler
 from megatron_dapo.sampling.sim.engines import EngineModel, EnginePool
 from megatron_dapo.sampling.sim.workload import Workload
 
 
 @dataclass(frozen=True)
-class RowConfig:
-    """One sampler configuration (a table row): the sampler config's fields that differ between rows."""
+class Row:
+    """One table row: its name, the sampler config it runs (a dataclasses.replace of a base SamplerConfig, so every
+    field not named keeps the shipped default), and whether its workload is the oracle's (informative prompts only)."""
 
     name: str
-    mode: str
-    carry_surplus: bool = True
-    partial_rollout: bool = False
-    max_staleness: int = 1
-    gen_batch_size: int = 1536
-    engine_sequences: int = 128
-    stream_margin: float = 0.0
+    sampler: SamplerConfig
     oracle: bool = False
-    skip: SkipPolicy = SkipPolicy()
-    """sampler.skip (prompt memory) and its settings; off by default."""
 
 
-def paper_rows(gen_batch_size: int = 1536, engine_sequences: int = 128) -> list[RowConfig]:
-    """The table's rows; stream rows keep about what an engine's KV cache holds in flight per engine (docstring)."""
-    seqs = engine_sequences
+def paper_rows(base: SamplerConfig) -> list[Row]:
+    """The table's rows over `base` (its batch, generation round, engine budget and tick): fill dropping or carrying
+    the surplus, stream, stream with partial rollout at staleness 1 and 2, and the oracle."""
     return [
-        RowConfig("fill drop", "fill", carry_surplus=False, gen_batch_size=gen_batch_size),
-        RowConfig("fill carry", "fill", carry_surplus=True, gen_batch_size=gen_batch_size),
-        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs),
-        RowConfig("stream+partial S=1", "stream", partial_rollout=True, max_staleness=1,
-                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
-        RowConfig("stream+partial S=2", "stream", partial_rollout=True, max_staleness=2,
-                  gen_batch_size=gen_batch_size, engine_sequences=seqs),
-        RowConfig("oracle", "stream", gen_batch_size=gen_batch_size, engine_sequences=seqs, oracle=True),
-    ]  # fmt: skip
+        Row("fill drop", replace(base, mode="fill", carry_surplus=False)),
+        Row("fill carry", replace(base, mode="fill", carry_surplus=True)),
+        Row("stream", replace(base, mode="stream")),
+        Row("stream+partial S=1", replace(base, mode="stream", partial_rollout=True, max_staleness=1)),
+        Row("stream+partial S=2", replace(base, mode="stream", partial_rollout=True, max_staleness=2)),
+        Row("oracle", replace(base, mode="stream"), oracle=True),
+    ]
 
 
-SKIP_ON = SkipPolicy(enabled=True)
-"""sampler.skip with its default settings."""
-
-
-def memory_rows(gen_batch_size: int = 1536, engine_sequences: int = 128, skip: SkipPolicy = SKIP_ON) -> list[RowConfig]:
-    """The prompt-memory table's rows: on-policy stream without and with sampler.skip (skip: its settings, enabled)."""
+def memory_rows(base: SamplerConfig) -> list[Row]:
+    """The prompt-memory table's rows: on-policy stream without and with sampler.skip (base's skip settings)."""
     return [
-        RowConfig("stream", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences),
-        RowConfig("stream+skip", "stream", gen_batch_size=gen_batch_size, engine_sequences=engine_sequences, skip=skip),
+        Row("stream", replace(base, mode="stream", skip=False)),
+        Row("stream+skip", replace(base, mode="stream", skip=True)),
     ]
 
 
@@ -114,7 +101,7 @@ class StepRecord:
 
 @dataclass
 class SimResult:
-    row: RowConfig
+    row: Row
     workload: dict
     steps: list[StepRecord]
     warmup: int
@@ -172,40 +159,22 @@ a few seconds at tens of GB/s; engines are asleep meanwhile, so it only adds to 
 
 
 def simulate(
-    row: RowConfig,
+    row: Row,
     engine: EngineModel,
     workload: Workload,
     *,
     num_engines: int = 32,
-    train_batch_size: int = 512,
-    max_gen_batches: int = 10,
     steps: int = 12,
     warmup: int = 2,
-    tick_steps: int = 32,
     seed: int = 42,
     sync_s: float = SYNC_S,
 ) -> SimResult:
     """Run `warmup + steps` rollout steps of one row with the real SamplingScheduler, as next_batch drives it."""
     if row.oracle != workload.oracle:
         raise ValueError(f"row {row.name!r} needs a workload with oracle={row.oracle}")
-    sched = SamplingScheduler(
-        workload.num_prompts,
-        num_engines,
-        group_size=workload.group_size,
-        train_batch_size=train_batch_size,
-        gen_batch_size=row.gen_batch_size,
-        max_gen_batches=max_gen_batches,
-        mode=row.mode,
-        carry_surplus=row.carry_surplus,
-        partial_rollout=row.partial_rollout,
-        max_staleness=row.max_staleness,
-        engine_sequences=row.engine_sequences,
-        stream_margin=row.stream_margin,
-        seed=seed,
-        skip=row.skip,
-    )
-    pool = EnginePool(engine, num_engines, workload, tick_steps)
-    round_based = row.mode in ("fill", "dynamic_bs")
+    sched = SamplingScheduler(row.sampler, workload.num_prompts, num_engines, group_size=workload.group_size, seed=seed)
+    pool = EnginePool(engine, num_engines, workload, row.sampler.tick_steps)
+    round_based = row.sampler.mode in ("fill", "dynamic_bs")
     records = []
     for _ in range(warmup + steps):
         version = sched.version
