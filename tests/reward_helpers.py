@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.reward.verifiers import VerifyResult
+from megatron_dapo.reward.answers import VerifyResult
 
 
 def exact(response: str, ground_truth: str) -> bool:

@@ -1,4 +1,5 @@
-"""The import rules of docs/architecture.md: no module imports from a layer above its own.
+"""The import rules of docs/architecture.md: no module imports from a layer above its own, and no circle of imports
+(which the layer rule leaves possible only inside one layer).
 
 Every import counts, the ones inside functions too (a lazy import is still a dependency). The layers,
 lowest first; a module's layer is that of its first name under megatron_dapo.
@@ -77,6 +78,40 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
     return found
 
 
+def import_circles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
+    """Every circle of imports among the modules (strongly connected components of two or more, or a module that
+    imports itself), each sorted, the list sorted. A package importing its own submodules is not a circle."""
+    graph = {m: imported_modules(m, src, pkg, set(sources)) & set(sources) for m, (src, pkg) in sources.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
 @pytest.fixture(scope="module")
 def sources() -> dict[str, tuple[str, bool]]:
     return package_sources()
@@ -109,3 +144,22 @@ def test_the_rule_catches_an_upward_import_even_inside_a_function():
     )  # downward is fine
     with pytest.raises(KeyError, match="'newfolder' is in no layer"):
         violations({"megatron_dapo.newfolder.x": ("import os\n", False)})
+
+
+def test_no_circle_of_imports(sources):
+    assert import_circles(sources) == []
+
+
+def test_the_circle_rule_catches_a_lazy_import_back():
+    """The shape reward/ had: the verifiers imported hybrid inside a function, hybrid imported private names back."""
+    verifiers = "def select():\n    from megatron_dapo.reward.hybrid import hybrid_verify\n"
+    hybrid = "from megatron_dapo.reward.verifiers import _result\n"
+    package = "from megatron_dapo.reward.verifiers import select\n"  # a package importing its own modules: no circle
+    found = import_circles(
+        {
+            "megatron_dapo.reward": (package, True),
+            "megatron_dapo.reward.verifiers": (verifiers, False),
+            "megatron_dapo.reward.hybrid": (hybrid, False),
+        }
+    )
+    assert found == [["megatron_dapo.reward.hybrid", "megatron_dapo.reward.verifiers"]]

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from megatron_dapo.choices import BAD_ROW_POLICIES
 from megatron_dapo.choices import DATASET_FORMATS as FORMATS
-from megatron_dapo.reward.verifiers import gsm8k_answer
+from megatron_dapo.reward.answers import gsm8k_answer
 from megatron_dapo.types import Prompt
 
 logger = logging.getLogger("megatron_dapo.data")

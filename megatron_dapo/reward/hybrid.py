@@ -64,9 +64,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from megatron_dapo.reward.hybrid_exact import _MAX_ANSWER_CHARS, _MAX_NESTING, _TOO_BIG, _Element
-from megatron_dapo.reward.hybrid_parse import _Answer, _reference, clean_answer, extract_final_answer
-from megatron_dapo.reward.verifiers import VerifyResult, _alarm_seconds, _result
+from megatron_dapo.reward.answers import VerifyResult, alarm_seconds, verify_result
+from megatron_dapo.reward.hybrid_exact import MAX_ANSWER_CHARS, MAX_NESTING, TOO_BIG, Element
+from megatron_dapo.reward.hybrid_parse import Answer, clean_answer, extract_final_answer, parse_reference
 
 _MAX_ELEMENTS = 32
 _FLOAT_RTOL, _FLOAT_ATOL = 1e-6, 1e-9
@@ -90,10 +90,10 @@ def _terminates(x: Fraction) -> bool:
     return den == 1
 
 
-def _numeric_decision(pred: _Element, gold: _Element) -> bool | None:
+def _numeric_decision(pred: Element, gold: Element) -> bool | None:
     """The rules of step 4 of the module docstring; None when only symbolic algebra can tell."""
     p, g = pred.value, gold.value
-    if p is _TOO_BIG or g is _TOO_BIG:
+    if p is TOO_BIG or g is TOO_BIG:
         return False
     if p is None or g is None:
         return None
@@ -115,7 +115,7 @@ def _numeric_decision(pred: _Element, gold: _Element) -> bool | None:
 
 def _differ(p: Any, g: Any) -> bool:
     """True when two values at the same test point are certainly different (exactly, or well beyond float error)."""
-    if p is None or g is None or p is _TOO_BIG or g is _TOO_BIG:
+    if p is None or g is None or p is TOO_BIG or g is TOO_BIG:
         return False
     if isinstance(p, Fraction) and isinstance(g, Fraction):
         return p != g
@@ -162,13 +162,13 @@ def _symbolic_equal(pred: str, gold: str, secs: int | None) -> bool:
     from math_verify import verify
 
     for text in (pred, gold):
-        if len(text) > _MAX_ANSWER_CHARS or not 0 <= _balanced_depth(text) <= _MAX_NESTING:
+        if len(text) > MAX_ANSWER_CHARS or not 0 <= _balanced_depth(text) <= MAX_NESTING:
             return False
     gold_parsed, pred_parsed = _parse(gold, secs), _parse(pred, secs)
     return bool(gold_parsed and pred_parsed and verify(list(gold_parsed), list(pred_parsed), timeout_seconds=secs))
 
 
-def _scalar_equal(pred: _Element, gold: _Element, secs: int | None) -> bool:
+def _scalar_equal(pred: Element, gold: Element, secs: int | None) -> bool:
     if pred.norm == gold.norm:
         return True
     if pred.norm in _INFINITIES or gold.norm in _INFINITIES:
@@ -183,12 +183,12 @@ def _scalar_equal(pred: _Element, gold: _Element, secs: int | None) -> bool:
     return _symbolic_equal(pred.text, gold.text, secs)
 
 
-def _answers_equal(pred: _Answer, gold: _Answer, secs: int | None) -> bool:
+def _answers_equal(pred: Answer, gold: Answer, secs: int | None) -> bool:
     """The comparison of the module docstring, steps 1-5."""
     if pred.is_text or gold.is_text:
         return pred.text_key == gold.text_key
     if gold.is_equation:  # 'x^2+y^2=4', 'y=2x+1': the whole equation is the answer
-        whole_pred, whole_gold = _Element(pred.whole), _Element(gold.whole)
+        whole_pred, whole_gold = Element(pred.whole), Element(gold.whole)
         if whole_pred.norm == whole_gold.norm:
             return True
         return "=" in whole_pred.norm and _symbolic_equal(whole_pred.text, whole_gold.text, secs)
@@ -197,7 +197,7 @@ def _answers_equal(pred: _Answer, gold: _Answer, secs: int | None) -> bool:
     choices = _CHOICE_RE.fullmatch(pred.norm), _CHOICE_RE.fullmatch(gold.norm)
     if choices[0] and choices[1]:
         return choices[0].group(1) == choices[1].group(1)
-    if len(pred.text) > _MAX_ANSWER_CHARS:
+    if len(pred.text) > MAX_ANSWER_CHARS:
         return False
     (p_kind, p_items), (g_kind, g_items) = pred.structure, gold.structure
     if p_kind == g_kind == "scalar":
@@ -230,9 +230,9 @@ def hybrid_verify(response: str, ground_truth: str, timeout_s: float | None = 5.
     """
     raw = extract_final_answer(response)
     if raw is None:
-        return _result(False, None)
+        return verify_result(False, None)
     pred = clean_answer(raw)
-    gold = _reference(ground_truth)
+    gold = parse_reference(ground_truth)
     if not pred.text or gold is None:
-        return _result(False, pred.text)
-    return _result(_answers_equal(pred, gold, _alarm_seconds(timeout_s)), pred.text)
+        return verify_result(False, pred.text)
+    return verify_result(_answers_equal(pred, gold, alarm_seconds(timeout_s)), pred.text)

@@ -8,16 +8,16 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from megatron_dapo.reward.verifiers import normalize_answer
+from megatron_dapo.reward.answers import normalize_answer
 
-_MAX_ANSWER_CHARS = 500
+MAX_ANSWER_CHARS = 500
 """Longer answers are compared as normalised strings only: no reference is that long, and sympy on it is slow."""
-_MAX_NESTING = 40
+MAX_NESTING = 40
 _MAX_BITS = 40_000
 """Exact powers stop at ~12k digits: 9^{9^{9}} is not computed, it is just wrong."""
 _MAX_ROOT = 64
 # Written without a backslash these are still mathematics: sqrt(2), 2pi, log(8).
-_MATH_WORDS = frozenset(
+MATH_WORDS = frozenset(
     "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp sqrt pi max min gcd lcm mod".split()
 )
 _DECIMAL_RE = re.compile(r"[+-]?\d*\.(\d+)")
@@ -29,7 +29,7 @@ _TOKEN_RE = re.compile(r"\s+|((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)|(\\[A-Za
 _OPENERS = {"(": ")", "{": "}", "[": "]"}
 
 
-class _Element:
+class Element:
     """One scalar of an answer: its text, normalised text and value (computed once, when needed)."""
 
     def __init__(self, text: str) -> None:
@@ -56,7 +56,7 @@ class _Element:
         letters = set()
         for m in _LETTERS_RE.finditer(self.text):
             run = m.group()
-            if run[0] != "\\" and run.lower() not in _MATH_WORDS:
+            if run[0] != "\\" and run.lower() not in MATH_WORDS:
                 letters.update(run)
         return frozenset(letters - _CONSTANT_LETTERS)
 
@@ -75,7 +75,7 @@ class _TooBig(Exception):
     """An exact rational beyond _MAX_BITS."""
 
 
-_TOO_BIG = object()
+TOO_BIG = object()
 
 
 def _exact_root(x: Fraction, n: int) -> Fraction | None:
@@ -237,7 +237,7 @@ class _Evaluator:
             return self.number(token)
         if token in _OPENERS:
             self.depth += 1
-            if self.depth > _MAX_NESTING:
+            if self.depth > MAX_NESTING:
                 raise _Unsupported("nesting")
             value = self.expression()
             self.expect(_OPENERS[token])
@@ -296,7 +296,7 @@ def _tokens(norm: str) -> list[str]:
     tokens = []
     for m in _TOKEN_RE.finditer(norm):
         token = m.group()
-        if token.isalpha() and len(token) > 1 and token.lower() not in _MATH_WORDS:
+        if token.isalpha() and len(token) > 1 and token.lower() not in MATH_WORDS:
             tokens.extend(token)
         elif not token.isspace():
             tokens.append(token)
@@ -305,9 +305,9 @@ def _tokens(norm: str) -> list[str]:
 
 def _evaluate(norm: str, point: int | None = None) -> Any:
     """The exact (Fraction) or approximate (float) value of a normalised answer, with its variables at test point
-    `point` (None: an answer with a variable has no value); None when not a plain number expression; _TOO_BIG for a
+    `point` (None: an answer with a variable has no value); None when not a plain number expression; TOO_BIG for a
     rational too large to compute."""
-    if len(norm) > _MAX_ANSWER_CHARS:
+    if len(norm) > MAX_ANSWER_CHARS:
         return None
     tokens = _tokens(norm)
     evaluator = _Evaluator(tokens, point)
@@ -316,7 +316,7 @@ def _evaluate(norm: str, point: int | None = None) -> Any:
         if evaluator.i != len(tokens):
             return None
     except _TooBig:
-        return _TOO_BIG
+        return TOO_BIG
     except (_Unsupported, ZeroDivisionError, OverflowError, ValueError, TypeError):
         return None
     if isinstance(value, float) and not math.isfinite(value):

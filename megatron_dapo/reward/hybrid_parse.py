@@ -9,18 +9,18 @@ import functools
 import re
 from dataclasses import dataclass
 
-from megatron_dapo.reward.hybrid_exact import _MATH_WORDS, _Element
-from megatron_dapo.reward.verifiers import (
-    _ANSWER_RE,
-    _BOX_HEAD_RE,
-    _LEFT_RIGHT_RE,
-    _SIMPLE_SUBSTITUTIONS,
-    _THOUSANDS_RE,
-    _last_answer_start,
-    _unwrap_commands,
+from megatron_dapo.reward.answers import (
+    ANSWER_RE,
+    BOX_HEAD_RE,
+    LEFT_RIGHT_RE,
+    SIMPLE_SUBSTITUTIONS,
+    THOUSANDS_RE,
     gsm8k_answer,
+    last_answer_start,
     normalize_answer,
+    unwrap_commands,
 )
+from megatron_dapo.reward.hybrid_exact import MATH_WORDS, Element
 
 _UNICODE = str.maketrans(
     {
@@ -76,9 +76,9 @@ def _last_closed_box(response: str) -> tuple[int, int, int] | None:
     start = max(response.rfind("\\boxed"), response.rfind("\\fbox"))
     if start < 0:
         return None
-    head = _BOX_HEAD_RE.match(response, start)
+    head = BOX_HEAD_RE.match(response, start)
     if head is None:  # '\boxed 5' or '\boxedx': look for the last well-formed head instead
-        heads = list(_BOX_HEAD_RE.finditer(response))
+        heads = list(BOX_HEAD_RE.finditer(response))
         if not heads:
             return None
         head = heads[-1]
@@ -97,8 +97,8 @@ def _last_closed_box(response: str) -> tuple[int, int, int] | None:
 def extract_final_answer(response: str) -> str | None:
     """The raw final answer: the last 'Answer:' line, or the last \\boxed{} after it (or without one); None when
     there is neither, or when the last box is unclosed and there is no Answer line before it."""
-    start = _last_answer_start(response)
-    line = _ANSWER_RE.match(response, start) if start is not None else None
+    start = last_answer_start(response)
+    line = ANSWER_RE.match(response, start) if start is not None else None
     box = _last_closed_box(response)
     if box is not None and (line is None or box[0] >= line.end()):
         return response[box[1] : box[2]]
@@ -126,7 +126,7 @@ def _top_level(s: str) -> tuple[int, bool]:
 
 def _words(s: str) -> list[re.Match]:
     """Words that are neither mathematics (sqrt, pi) nor upper-case point and segment names (AB, ABC)."""
-    return [m for m in _WORD_RE.finditer(s) if m.group().lower() not in _MATH_WORDS and not m.group().isupper()]
+    return [m for m in _WORD_RE.finditer(s) if m.group().lower() not in MATH_WORDS and not m.group().isupper()]
 
 
 def _strip_wrappers(raw: str) -> str:
@@ -134,11 +134,11 @@ def _strip_wrappers(raw: str) -> str:
     s = raw.translate(_UNICODE)
     for before, after in _RELATIONS:
         s = s.replace(before, after)
-    s = _unwrap_commands(s, _BOX_HEAD_RE)
-    for before, after in _SIMPLE_SUBSTITUTIONS:
+    s = unwrap_commands(s, BOX_HEAD_RE)
+    for before, after in SIMPLE_SUBSTITUTIONS:
         s = s.replace(before, after)
-    s = _LEFT_RIGHT_RE.sub("", s)
-    s = _unwrap_commands(s)
+    s = LEFT_RIGHT_RE.sub("", s)
+    s = unwrap_commands(s)
     s = s.strip().strip("*").strip()
     lead = _LEAD_IN_RE.match(s)
     if lead and lead.end() > 0:
@@ -150,7 +150,7 @@ def _strip_wrappers(raw: str) -> str:
 
 
 @dataclass
-class _Answer:
+class Answer:
     """A cleaned answer: `text` keeps its spaces (math-verify needs them); `is_text` marks a text answer;
     `whole` is the text before 'x =' was dropped, `is_equation` marks a reference whose '=' is part of the answer."""
 
@@ -168,9 +168,9 @@ class _Answer:
         return "".join(self.text.split()).lower()
 
     @functools.cached_property
-    def structure(self) -> tuple[str, list[_Element]]:
+    def structure(self) -> tuple[str, list[Element]]:
         kind, parts = _structure(self.text)
-        return kind, [_Element(_split_equation(p)[1]) for p in parts]
+        return kind, [Element(_split_equation(p)[1]) for p in parts]
 
 
 def _split_equation(s: str) -> tuple[str | None, str]:
@@ -216,38 +216,38 @@ def _as_interval(s: str) -> str:
     return f"{'(' if lo_strict else '['}{lo}, {hi}{')' if hi_strict else ']'}"
 
 
-def clean_answer(raw: str) -> _Answer:
+def clean_answer(raw: str) -> Answer:
     """Apply the cleaning rules of hybrid.py's docstring to a raw final answer."""
     whole = _strip_wrappers(raw).split("\\approx")[0].strip()
     lhs, rhs = _split_equation(whole)
     answer = _classify(rhs)
     answer.whole = whole
-    answer.is_equation = lhs is not None and (not _NAME_RE.fullmatch(lhs) or bool(_Element(rhs).variables))
+    answer.is_equation = lhs is not None and (not _NAME_RE.fullmatch(lhs) or bool(Element(rhs).variables))
     return answer
 
 
-def _classify(s: str) -> _Answer:
+def _classify(s: str) -> Answer:
     """A math or text answer, with a unit dropped, 'and'/'or' lists and inequalities rewritten (hybrid.py)."""
     words = _words(s)
     if words and all(w.group().lower() in _SEPARATOR_WORDS for w in words):
         # '1 and 2', 'x = 1 or x = 2': a list of answers (a hedge '42 or 43' is then a wrong set)
         bounds = [0] + [i for w in words for i in (w.start(), w.end())] + [len(s)]
         s = ", ".join(s[a:b].strip().rstrip(",").strip() for a, b in zip(bounds[::2], bounds[1::2]))
-        return _Answer(s, is_text=False)
+        return Answer(s, is_text=False)
     if not words:
-        return _Answer(_as_interval(s), is_text=False)
+        return Answer(_as_interval(s), is_text=False)
     head, tail = s[: words[0].start()].rstrip(), s[words[0].start() :]
     if (
         any(ch.isdigit() or ch == "\\" for ch in head)
         and _UNIT_TAIL_RE.fullmatch(tail)
         and not any(w.group().lower() in _NOT_UNIT_WORDS for w in words)
     ):
-        return _Answer(head, is_text=False)
-    return _Answer(s, is_text=True)
+        return Answer(head, is_text=False)
+    return Answer(s, is_text=True)
 
 
 @functools.lru_cache(maxsize=4096)
-def _reference(ground_truth: str) -> _Answer | None:
+def parse_reference(ground_truth: str) -> Answer | None:
     """The cleaned reference (a prompt's 16 responses share it), or None when it is empty."""
     text = gsm8k_answer(ground_truth) if "####" in ground_truth else ground_truth
     answer = clean_answer(text)
@@ -289,7 +289,7 @@ def _split_commas(s: str) -> list[str]:
 def _structure(text: str) -> tuple[str, list[str]]:
     """('scalar', [text]) | ('set', elements) | (brackets like '()' or '(]', elements); a bare list is a set."""
     s = text.strip()
-    if _THOUSANDS_RE.fullmatch("".join(s.split())):
+    if THOUSANDS_RE.fullmatch("".join(s.split())):
         return "scalar", [s]
     kind, inner = "set", s
     if s.startswith("\\{") and s.endswith("\\}") and _encloses(s, 2, len(s) - 2):

@@ -46,8 +46,8 @@ from collections import deque
 from typing import Any
 
 from megatron_dapo.reward.process import WorkerProcess, install_spawn_hook
+from megatron_dapo.reward.registry import select_verifier
 from megatron_dapo.reward.tickets import Key, RewardBatch, Ticket, as_text, excerpt
-from megatron_dapo.reward.verifiers import select_verifier
 
 logger = logging.getLogger("megatron_dapo.reward")
 

@@ -15,7 +15,8 @@ import resource
 import signal
 from typing import Any
 
-from megatron_dapo.reward.verifiers import VerifyResult, select_verifier
+from megatron_dapo.reward.answers import VerifyResult
+from megatron_dapo.reward.registry import select_verifier
 
 _MAX_DETAIL_CHARS = 300
 
