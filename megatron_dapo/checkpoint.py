@@ -149,7 +149,7 @@ class CheckpointManager:
         """Collective: every rank calls with its own trainer_state (plain containers and tensors)."""
         final = _step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
-        rank = dist.get_rank()
+        rank = policy.layout.rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a previous crash mid-save
             (tmp / "state").mkdir(parents=True)
@@ -173,7 +173,7 @@ class CheckpointManager:
         )
         dist.barrier()
         if rank == 0:
-            (tmp / COMPLETE).write_text(f"{dist.get_world_size()}\n")
+            (tmp / COMPLETE).write_text(f"{policy.layout.world_size}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -220,7 +220,7 @@ class CheckpointManager:
                 failures.append(f"{ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 log.warning("checkpoint %s is not usable (%s); trying the previous one", ckpt, failures[-1])
                 continue
-            if failures and dist.get_rank() == 0:
+            if failures and policy.layout.rank == 0:
                 log.warning("resumed from %s after %d unusable newer checkpoint(s)", ckpt, len(failures))
             return state
         raise CheckpointError("no usable checkpoint: " + "; ".join(failures))
@@ -230,11 +230,12 @@ class CheckpointManager:
 
         if not (ckpt / COMPLETE).is_file():
             raise CheckpointError(f"{ckpt} is incomplete (no {COMPLETE} marker)")
-        rank_file = ckpt / "state" / f"rank{dist.get_rank():05d}.pt"
+        layout = policy.layout
+        rank_file = ckpt / "state" / f"rank{layout.rank:05d}.pt"
         saved_world = int((ckpt / COMPLETE).read_text().strip() or 0)
-        if saved_world != dist.get_world_size() or not rank_file.is_file():
+        if saved_world != layout.world_size or not rank_file.is_file():
             raise CheckpointError(
-                f"{ckpt} was saved by {saved_world} ranks, this run has {dist.get_world_size()}: "
+                f"{ckpt} was saved by {saved_world} ranks, this run has {layout.world_size}: "
                 "convert it (tools/convert_megatron_to_hf.py) to change the layout"
             )
         state = torch.load(rank_file, weights_only=False)

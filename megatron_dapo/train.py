@@ -146,7 +146,7 @@ def train(config: str | None, overrides: list[str]) -> None:
     trainer = Trainer(cfg)  # closes what it started if it raises
     sinks = None
     try:
-        rank0 = dist.get_rank() == 0
+        rank0 = trainer.layout.rank == 0
         sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
         stop.running = True
         while trainer.step < cfg.trainer.total_steps:

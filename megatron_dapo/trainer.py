@@ -109,11 +109,11 @@ class ShardedScorer:
 
     COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+    def __init__(self, pool: Any, rank: int, world: int) -> None:
+        self.pool, self.rank, self.world = pool, rank, world
 
     def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world, rank = self.world, self.rank
         if world == 1:
             return self.pool.score(responses, ground_truths, data_sources)
         lo, hi = len(responses) * rank // world, len(responses) * (rank + 1) // world
@@ -167,8 +167,10 @@ class Trainer:
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.pool = RewardPool.from_config(cfg.reward)
-        self.scorer = ShardedScorer(self.pool)  # evaluation; training rollouts are scored by their engine's rank
-        self.comm = Comm(self.layout.device)
+        self.scorer = ShardedScorer(
+            self.pool, self.layout.rank, self.layout.world_size
+        )  # evaluation; training rollouts are scored by their engine's rank
+        self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
         self.loader = DynamicSamplingLoader(

@@ -102,7 +102,7 @@ def agreement(comm: Comm) -> dict:
 
 def main(mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
-    comm = Comm()
+    comm = Comm(dist.get_rank(), dist.get_world_size())
     result = {"exchange": exchange, "agreement": agreement}[mode](comm)
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)

@@ -178,9 +178,7 @@ def save_megatron_checkpoint(chunks: list, ckpt_dir: str | Path) -> float:
 
     t0 = time.perf_counter()
     ckpt_dir = Path(ckpt_dir)
-    if dist.get_rank() == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    ckpt_dir.mkdir(parents=True, exist_ok=True)  # every rank: exist_ok makes it safe, and no rank is asked for
     with in_process_write_results():
         dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
     dist.barrier()

@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 
 
-def _tp():
+def _tp(layout):
+    """(the tensor-parallel group or None alone, this rank's place in it, its size): ranks from the Layout."""
+    if layout.tp == 1:
+        return None, 0, 1
     from megatron.core import parallel_state
 
-    return (
-        parallel_state.get_tensor_model_parallel_group(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )
+    return parallel_state.get_tensor_model_parallel_group(), layout.tp_rank, layout.tp
 
 
 def _scaled(logits: torch.Tensor, temperature: float, vocab_size: int, rank: int) -> torch.Tensor:
@@ -66,11 +65,14 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return g, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
-    """logits: [B, T, V/tp] (any float dtype), targets: [B, T] global token ids -> logp [B, T] float32, differentiable."""
-    group, rank, size = _tp()
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, layout
+) -> torch.Tensor:
+    """logits: [B, T, V/tp] (any float dtype), targets: [B, T] global token ids -> logp [B, T] float32, differentiable.
+    layout: this rank's model.parallel.Layout (its tensor-parallel rank and size)."""
+    group, rank, _ = _tp(layout)
     z = _scaled(logits, temperature, vocab_size, rank)
-    return _VocabParallelLogprob.apply(z, targets, group if size > 1 else None, rank)
+    return _VocabParallelLogprob.apply(z, targets, group, rank)
 
 
 ENTROPY_CHUNK_ELEMENTS = 1 << 26
@@ -79,9 +81,10 @@ once held five [T, V] float32 temporaries (about 12 GiB for 4096 tokens of Qwen2
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: [B, T, V/tp] -> [B, T] float32 (a metric, no grad)."""
-    group, rank, size = _tp()
+def token_entropy(logits: torch.Tensor, temperature: float, vocab_size: int, layout) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: [B, T, V/tp] -> [B, T] float32 (a metric, no grad).
+    layout: this rank's model.parallel.Layout."""
+    group, rank, size = _tp(layout)
     flat = logits.detach().reshape(-1, logits.shape[-1])
     chunks = flat.split(max(1, ENTROPY_CHUNK_ELEMENTS // max(1, flat.shape[-1])))
     z_max = torch.cat([_scaled(c, temperature, vocab_size, rank).max(dim=-1).values for c in chunks])

@@ -5,7 +5,11 @@ MASTER_ADDR and MASTER_PORT come from the environment (a lone process without to
 rank 0 of 1). nccl on GPU, gloo on CPU. The layout is checked against the model before
 anything is allocated, so an impossible one fails in a second, not after a checkpoint load.
 Megatron keeps the groups themselves (megatron.core.parallel_state); `Layout` is our view: sizes and
-this rank's place in each group, read once here so no other module asks parallel_state for a rank.
+this rank's place in each group, read once here so no other module asks torch.distributed or parallel_state
+for a rank (they take a Layout, or ranks from one). The exceptions, where no Layout can exist yet: the command
+line reads RANK and WORLD_SIZE before any process group starts (cli.error_line's rank prefix, cli's rank-0-only
+logging, train.py's start-up line, hf_export's one-process check), and rollout/vllm_env.py asks whether the
+torchrun variables are set at all.
 """
 
 from __future__ import annotations

@@ -243,9 +243,7 @@ class MegatronPolicy:
 
     @property
     def is_last_stage(self) -> bool:
-        from megatron.core import parallel_state
-
-        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return self.layout.pp_rank == self.layout.pp - 1
 
     def _dp_group(self, with_cp: bool = False):
         """Data-parallel ranks (the samples differ); with_cp adds the context-parallel ranks (positions differ)."""
@@ -307,8 +305,8 @@ class MegatronPolicy:
         vocab = self.arch.vocab_size
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp = token_logprobs(logits, mb.targets, temperature, vocab)
-            entropy = token_entropy(logits, temperature, vocab)
+            logp = token_logprobs(logits, mb.targets, temperature, vocab, self.layout)
+            entropy = token_entropy(logits, temperature, vocab, self.layout)
             if self.layout.cp > 1:  # spans index the full row: reassemble it from the CP ranks
                 logp, entropy = self._gather_cp(logp), self._gather_cp(entropy)
             return (
@@ -357,7 +355,7 @@ class MegatronPolicy:
         t0 = time.perf_counter()
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp = token_logprobs(logits, mb.targets, temperature, vocab)
+            logp = token_logprobs(logits, mb.targets, temperature, vocab, self.layout)
             is_weight = None
             if tis_cap is not None and mb.rollout_logp is not None:
                 is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, tis_cap, a.log_ratio_clamp)
@@ -375,7 +373,7 @@ class MegatronPolicy:
                 log_ratio_clamp=a.log_ratio_clamp,
             )
             loss = out.loss_sum / max(normalizer, 1.0)
-            entropy = token_entropy(logits, temperature, vocab)
+            entropy = token_entropy(logits, temperature, vocab, self.layout)
             stats = dict(out.stats)
             stats["entropy_sum"] = torch.where(mb.loss_mask, entropy, torch.zeros_like(entropy)).sum()
             stats["loss"] = loss.detach().float()
@@ -421,7 +419,7 @@ class MegatronPolicy:
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self._dp_group(with_cp=True))
         if self.layout.pp > 1:  # the last stage knows; the others learn it
             group = parallel_state.get_pipeline_model_parallel_group()
-            last = parallel_state.get_pipeline_model_parallel_last_rank()
+            last = dist.get_process_group_ranks(group)[-1]  # the global rank of this pipeline's last stage
             packed = torch.cat([sums[:-1], ratio_max])
             dist.broadcast(packed, src=last, group=group)
             sums, ratio_max = packed, packed[-1:]

@@ -99,7 +99,6 @@ def layer_spec(arch: ModelArch, layout: Layout):
 
 def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
     """GPTModel chunks of this pipeline rank (one, or vpp with the interleaved schedule), not yet wrapped."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     tf_config = transformer_config(arch, cfg, layout)
@@ -112,8 +111,9 @@ def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(arch, layout.tp),
             max_sequence_length=arch.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            # the embedding on the first virtual stage of the first rank, the output layer on the last of the last
+            pre_process=layout.pp_rank == 0 and vp_stage == 0,
+            post_process=layout.pp_rank == layout.pp - 1 and vp_stage == (layout.vpp or 1) - 1,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=arch.rope_theta,
@@ -227,9 +227,7 @@ def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelAr
     before build_optimizer: the optimizer takes its fp32 main params from these.
     """
     padded = padded_vocab_size(arch, layout.tp)
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_rank = layout.tp_rank
     for slot in local_slots(chunks, arch):
         if slot.full_name not in full:
             raise KeyError(f"no weights for Megatron parameter '{slot.full_name}'")

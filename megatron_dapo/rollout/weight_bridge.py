@@ -59,7 +59,7 @@ class WeightBridge:
         missing = [n for n in megatron_names(arch) if n not in self.owner]
         if missing:
             raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
-        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [layout.rank]
         self.last_sync: dict[str, float] = {}
         self._encode_seconds = 0.0
 

@@ -26,13 +26,12 @@ SampleId = tuple[int, int]
 class Comm:
     """The collectives the sampler uses, over torch.distributed's world (or a single process without one).
 
+    rank, world: this process's place in the world (the trainer's Layout; the default is a lone process).
     device: where collective tensors live (CUDA for NCCL, CPU for gloo).
     """
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if self.distributed else 1
-        self.rank = dist.get_rank() if self.distributed else 0
+    def __init__(self, rank: int = 0, world: int = 1, device: Optional[torch.device] = None) -> None:
+        self.rank, self.world = rank, world
         self.device = device or torch.device("cpu")
         self.bytes_gathered = 0
         """Bytes this rank received through all_gather_rows so far (the summaries' traffic)."""
