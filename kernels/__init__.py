@@ -1,5 +1,5 @@
 """Triton kernels, installed as megatron_dapo.kernels."""
 
-from megatron_dapo.kernels.ratio_clip_reduce import LOSS_IMPLS, compute_policy_loss, fused_policy_loss
+from megatron_dapo.kernels.ratio_clip_reduce import fused_policy_loss, fused_runs_on, interpreter_enabled
 
-__all__ = ["LOSS_IMPLS", "compute_policy_loss", "fused_policy_loss"]
+__all__ = ["fused_policy_loss", "fused_runs_on", "interpreter_enabled"]

@@ -58,17 +58,17 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_dapo.algorithm.policy_loss import STAT_KEYS, PolicyLoss, policy_loss
-from megatron_dapo.choices import LOSS_IMPLS
+from megatron_dapo.algorithm.policy_loss import STAT_KEYS, PolicyLoss
+from megatron_dapo.config import AlgorithmConfig
 
-try:  # triton is optional: without it the dispatcher falls back to the reference
+try:  # triton is optional: without it algorithm.loss_impl='auto' resolves to the reference
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
     tl = None
 
-__all__ = ["LOSS_IMPLS", "compute_policy_loss", "fused_policy_loss", "interpreter_enabled"]
+__all__ = ["fused_policy_loss", "fused_runs_on", "interpreter_enabled"]
 
 # Rows of the [NUM_ROWS, n_blocks] float64 partials (the kernels use these numbers): 0 loss,
 # 1 valid tokens, 2 clip_low, 3 clip_high, 4 clip_dual, 5 ratio sum, 6 ratio max, 7 k3 KL sum.
@@ -252,6 +252,11 @@ def interpreter_enabled() -> bool:
     if triton is not None and hasattr(triton, "knobs"):
         return bool(triton.knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+
+
+def fused_runs_on(device: torch.device) -> bool:
+    """Whether fused_policy_loss can run on tensors of this device: triton installed, and CUDA or the interpreter."""
+    return triton is not None and (device.type == "cuda" or interpreter_enabled())
 
 
 def _kernels() -> tuple:
@@ -442,11 +447,11 @@ def fused_policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    dual_clip_c: Optional[float] = None,
+    eps_low: float = AlgorithmConfig.eps_low,
+    eps_high: float = AlgorithmConfig.eps_high,
+    dual_clip_c: Optional[float] = AlgorithmConfig.dual_clip_c,
     is_weight: Optional[torch.Tensor] = None,
-    log_ratio_clamp: float = 20.0,
+    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
     normalizer: Optional[Union[float, torch.Tensor]] = None,
     *,
     block: Optional[int] = None,
@@ -486,49 +491,3 @@ def fused_policy_loss(
     loss_sum, stats = _FusedPolicyLoss.apply(logp_f, old_f, adv_f, mask_f, isw_f, scale, p)
     parts = stats.unbind(0)
     return PolicyLoss(loss_sum=loss_sum, normalizer=parts[-1], stats=dict(zip(STAT_KEYS, parts[:-1])))
-
-
-def compute_policy_loss(
-    impl: str,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    dual_clip_c: Optional[float] = None,
-    is_weight: Optional[torch.Tensor] = None,
-    loss_agg_mode: str = "token-mean",
-    log_ratio_clamp: float = 20.0,
-    normalizer: Optional[Union[float, torch.Tensor]] = None,
-) -> PolicyLoss:
-    """The trainer's one call site for the policy loss; `impl` is config `algorithm.loss_impl`.
-
-    'reference': megatron_dapo.algorithm.policy_loss. 'fused': the Triton kernel (CUDA, or CPU
-    under TRITON_INTERPRET=1; anything else is an error). 'auto': fused on CUDA and in the
-    interpreter, else the reference. loss_agg_mode='seq-mean-token-mean' always takes the
-    reference (the kernel does token-mean only). normalizer (global valid tokens) only selects
-    the fused-gradient path; results are the same without it. Shapes as in policy_loss.
-    """
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"algorithm.loss_impl={impl!r}: expected one of {LOSS_IMPLS}")
-    use_fused = impl != "reference" and loss_agg_mode == "token-mean"
-    if use_fused and not logp.is_cuda and not interpreter_enabled():
-        if impl == "fused":
-            raise RuntimeError(
-                "algorithm.loss_impl='fused' needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton "
-                "kernel in the CPU interpreter (slow); on this CPU use algorithm.loss_impl='auto' or 'reference'"
-            )
-        use_fused = False
-    if use_fused and triton is None:
-        if impl == "fused":
-            raise RuntimeError("algorithm.loss_impl='fused' needs triton, which is not installed")
-        use_fused = False
-    common = dict(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, is_weight=is_weight)
-    if not use_fused:
-        return policy_loss(
-            logp, old_logp, advantages, mask, loss_agg_mode=loss_agg_mode, log_ratio_clamp=log_ratio_clamp, **common
-        )
-    return fused_policy_loss(
-        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp, normalizer=normalizer, **common
-    )

@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_dapo.algorithm import STAT_KEYS, policy_loss  # noqa: E402
-from megatron_dapo.kernels import compute_policy_loss, fused_policy_loss  # noqa: E402
+from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl  # noqa: E402
+from megatron_dapo.kernels import fused_policy_loss, fused_runs_on  # noqa: E402
 from megatron_dapo.kernels import ratio_clip_reduce as rcr  # noqa: E402
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -285,7 +286,7 @@ def test_no_grad_needed(seed):
     args = (batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
     ref = policy_loss(*args, **kw)
     for norm in (None, 100.0):
-        out = compute_policy_loss("fused", *args, normalizer=norm, **kw)
+        out = policy_loss_fn("fused")(*args, normalizer=norm, **kw)
         assert not out.loss_sum.requires_grad
         assert_same_loss(batch, out, ref, DUAL_C)
 
@@ -392,59 +393,46 @@ def test_finite_differences_float32(seed):
         assert abs(grad - fd) <= (8 * 2**-24 / step + step**2) * abs(grad), (i, j, grad, fd)
 
 
-# ------------------------------------------------------------------------------ dispatcher
+# ------------------------------------------------------------------------------ the loss registry
 
 
-def _spies(monkeypatch):
-    calls = []
-    real_fused, real_ref = rcr.fused_policy_loss, rcr.policy_loss
-    monkeypatch.setattr(rcr, "fused_policy_loss", lambda *a, **k: calls.append("fused") or real_fused(*a, **k))
-    monkeypatch.setattr(rcr, "policy_loss", lambda *a, **k: calls.append("reference") or real_ref(*a, **k))
-    return calls
-
-
-def _call(impl, batch, **kw):
-    return rcr.compute_policy_loss(impl, batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], **kw)
-
-
-def test_dispatch_auto_follows_interpreter(seed, monkeypatch):
-    batch = make_batch(torch.Generator().manual_seed(seed), 2, 64)
-    calls = _spies(monkeypatch)
-    _call("auto", batch)
+def test_auto_resolves_to_the_kernel_where_it_runs(monkeypatch):
+    cpu = torch.device("cpu")
+    assert fused_runs_on(cpu)  # the tests run Triton's interpreter (conftest)
+    assert resolve_loss_impl("auto", "token-mean", fused_runs_on(cpu)) == "fused"
     monkeypatch.delenv("TRITON_INTERPRET")
-    _call("auto", batch)
+    assert not fused_runs_on(cpu) and resolve_loss_impl("auto", "token-mean", fused_runs_on(cpu)) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    _call("auto", batch)
-    assert calls == ["fused", "reference", "reference"]
+    assert not fused_runs_on(cpu)
+    for impl in ("auto", "fused"):  # the kernel computes the token-mean only
+        assert resolve_loss_impl(impl, "seq-mean-token-mean", True) == "reference"
+    assert resolve_loss_impl("reference", "token-mean", True) == "reference"
 
 
-def test_dispatch_fused_without_interpreter_is_a_clear_error(seed, monkeypatch):
+def test_fused_where_it_cannot_run_and_unknown_names_are_clear_errors(seed, monkeypatch):
+    with pytest.raises(RuntimeError, match="algorithm.loss_impl='fused' needs CUDA"):
+        resolve_loss_impl("fused", "token-mean", False)
+    with pytest.raises(ValueError, match="algorithm.loss_impl='triton'"):
+        resolve_loss_impl("triton", "token-mean", True)
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        policy_loss_fn("auto")
     batch = make_batch(torch.Generator().manual_seed(seed), 2, 64)
+    with pytest.raises(ValueError, match="token-mean only"):
+        policy_loss_fn("fused")(
+            batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], loss_agg_mode="seq-mean-token-mean"
+        )
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="algorithm.loss_impl"):
-        _call("fused", batch)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         fused_policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
 
 
-def test_dispatch_reference_seq_mean_and_bad_impl(seed, monkeypatch):
-    batch = make_batch(torch.Generator().manual_seed(seed), 3, 64)
-    calls = _spies(monkeypatch)
-    _call("reference", batch)
-    out = _call("fused", batch, loss_agg_mode="seq-mean-token-mean")
-    ref = policy_loss(
-        batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], loss_agg_mode="seq-mean-token-mean"
-    )
-    assert torch.equal(out.loss_sum, ref.loss_sum) and torch.equal(out.normalizer, ref.normalizer)
-    _call("fused", batch, normalizer=100.0)
-    assert calls == ["reference", "reference", "fused"]
-    with pytest.raises(ValueError, match="algorithm.loss_impl"):
-        _call("triton", batch)
-
-
-def test_dispatch_fused_result_equals_reference(seed):
+def test_the_registered_losses_agree(seed):
     batch = make_batch(torch.Generator().manual_seed(seed), 3, 555, adv_per_token=True, with_isw=True)
-    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"])
-    out = _call("auto", batch, normalizer=1000.0, **kw)
-    ref = _call("reference", batch, **kw)
+    args = (batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
+    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"], loss_agg_mode="token-mean")
+    out = policy_loss_fn("fused")(*args, normalizer=1000.0, **kw)
+    ref = policy_loss_fn("reference")(*args, normalizer=1000.0, **kw)  # the reference ignores the normalizer
     assert_same_loss(batch, out, ref, DUAL_C)
+    seq = policy_loss_fn("reference")(*args, loss_agg_mode="seq-mean-token-mean")
+    want = policy_loss(*args, loss_agg_mode="seq-mean-token-mean")
+    assert torch.equal(seq.loss_sum, want.loss_sum) and torch.equal(seq.normalizer, want.normalizer)

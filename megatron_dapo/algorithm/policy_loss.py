@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from megatron_dapo.choices import LOSS_AGG_MODES
+from megatron_dapo.config import AlgorithmConfig
 
 # The statistics policy_loss returns, as sums over valid tokens (reduce them across
 # micro-batches and ranks by summing, except ratio_max which reduces by max).
@@ -47,7 +48,7 @@ def token_policy_loss(
     eps_low: float,
     eps_high: float,
     dual_clip_c: Optional[float] = None,
-    log_ratio_clamp: float = 20.0,
+    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate loss, no masking.
 
@@ -82,12 +83,12 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    dual_clip_c: Optional[float] = None,
+    eps_low: float = AlgorithmConfig.eps_low,
+    eps_high: float = AlgorithmConfig.eps_high,
+    dual_clip_c: Optional[float] = AlgorithmConfig.dual_clip_c,
     is_weight: Optional[torch.Tensor] = None,
-    loss_agg_mode: str = "token-mean",
-    log_ratio_clamp: float = 20.0,
+    loss_agg_mode: str = AlgorithmConfig.loss_agg_mode,
+    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
 ) -> PolicyLoss:
     """The DAPO loss of one micro-batch, as a sum plus its normaliser.
 
@@ -144,7 +145,10 @@ def policy_loss(
 
 
 def truncated_is_weight(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float, log_ratio_clamp: float = 20.0
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cap: float,
+    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
 ) -> torch.Tensor:
     """Truncated importance sampling for the rollout-vs-training mismatch.
 
@@ -162,7 +166,10 @@ MISMATCH_KEYS = ("abs_sum", "kl_sum", "capped", "tokens")
 
 
 def rollout_mismatch_sums(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: Optional[float] = None, log_ratio_clamp: float = 20.0
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cap: Optional[float] = None,
+    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
 ) -> torch.Tensor:
     """How far the rollout engine's policy is from the training policy, over tokens the engine sampled.
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algorithm import loss_metrics, reduce_stats, truncated_is_weight
+from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.config import Config
-from megatron_dapo.kernels import compute_policy_loss
+from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.logprobs import token_entropy, token_logprobs
@@ -228,6 +229,10 @@ class MegatronPolicy:
         # context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
         self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1
         self.optimizer_steps = 0
+        # algorithm.loss_impl, 'auto' resolved once for this device: the fused kernel or the reference
+        a = cfg.algorithm
+        self.loss_impl = resolve_loss_impl(a.loss_impl, a.loss_agg_mode, fused_runs_on(layout.device))
+        self.loss_fn = policy_loss_fn(self.loss_impl)
 
     def close(self) -> None:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
@@ -359,8 +364,7 @@ class MegatronPolicy:
             is_weight = None
             if tis_cap is not None and mb.rollout_logp is not None:
                 is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, tis_cap, a.log_ratio_clamp)
-            out = compute_policy_loss(
-                a.loss_impl,
+            out = self.loss_fn(
                 logp,
                 mb.old_logp,
                 mb.advantages,
