@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.cli import UserError
 from megatron_dapo.convert.megatron_io import in_process_write_results, model_sharded_state_dict
 from megatron_dapo.convert.resolve import COMPLETE, LATEST, complete_steps, step_candidates
 from megatron_dapo.model.provider import unwrap
@@ -36,7 +37,7 @@ log = logging.getLogger("megatron_dapo.checkpoint")
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No checkpoint could be loaded: the message lists what was tried and why each failed."""
 
 

@@ -19,12 +19,13 @@ import warnings
 from typing import Callable
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """What a user fixes, not us: ConfigError, DatasetError, ArchError, ConvertError, EvalError are ValueErrors."""
-    from megatron_dapo.checkpoint import CheckpointError  # imported late: torch reads its log level at import
-    from megatron_dapo.sampling.scheduler import DynamicSamplingError
+class UserError(Exception):
+    """An error the user fixes, not us (no usable checkpoint, a batch the sampler cannot fill): one line, no traceback.
+    The config's and the data's own errors (ConfigError, DatasetError, ArchError, ConvertError, EvalError) are
+    ValueErrors, which count too."""
 
-    return ValueError, FileNotFoundError, CheckpointError, DynamicSamplingError
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, UserError)
 
 
 LIBRARIES = ("vllm", "torch", "transformers", "megatron", "datasets", "urllib3", "filelock", "httpx", "math_verify")
@@ -67,18 +68,19 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
     """body's exit status; a user error prints one line (the traceback with debug) and gives 1."""
     try:
         return body() or 0
-    except user_errors() as e:
+    except USER_ERRORS as e:
         if debug:
             raise
         print(error_line(e), file=sys.stderr, flush=True)
         return 1
 
 
-def argument_parser(doc: str) -> argparse.ArgumentParser:
-    """A tool's parser whose --help is its module docstring: first paragraph above the options, the rest below."""
+def argument_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """Every entry point's parser, whose --help is its module docstring: first paragraph above the options, the rest
+    below. prog: the command as typed, where it is not the script's name (`python -m ...`)."""
     head, _, rest = doc.partition("\n\n")
     return argparse.ArgumentParser(
-        description=head, epilog=rest or None, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=head, epilog=rest or None, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 

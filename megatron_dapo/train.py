@@ -12,7 +12,6 @@ batch script can tell "stopped to be requeued" from "done".
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -22,7 +21,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_dapo.cli import quiet_libraries, run_cli  # light: torch must not load before the log settings
+from megatron_dapo.cli import (  # light: torch must not load before the log settings
+    argument_parser,
+    quiet_libraries,
+    run_cli,
+)
 
 if TYPE_CHECKING:
     from megatron_dapo.config import Config
@@ -177,7 +180,7 @@ def train(config: str | None, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--config", default=None, help="YAML config file (defaults: the paper's values)")
     ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")

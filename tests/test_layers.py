@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = (
-    ("base", {"choices", "config", "types", "timing"}),  # leaves: the config tree and the records passed on
+    ("base", {"choices", "cli", "config", "types", "timing"}),  # leaves: the config tree, records, the command line
     ("math", {"algorithm", "kernels"}),  # pure tensor math and its fused kernels
     ("reward", {"reward"}),
     ("model", {"model"}),
@@ -22,7 +22,7 @@ LAYERS = (
     ("rollout", {"rollout"}),
     ("data", {"data"}),
     ("sampling", {"sampling"}),  # dynamic sampling: drives engines (rollout) and the reward pool over datasets (data)
-    ("entry", {"checkpoint", "trainer", "train", "demo", "cli", "evaluate", "hf_export", "preflight"}),  # wiring
+    ("entry", {"checkpoint", "trainer", "train", "demo", "evaluate", "hf_export", "preflight"}),  # wiring
 )
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -119,7 +119,18 @@ def test_from_json_equals_the_same_rates_given_as_flags(tmp_path):
         (["--mfu", "-0.4"], None, "argument --mfu: '-0.4': expected a finite number > 0"),
         (["--decode-tokens-per-gpu-s", "nan"], None, "expected a finite number > 0"),
         (["--mfu", "1.5"], None, "--mfu = 1.5: expected a fraction in (0, 1]"),
-        (["--mfu", "0.4", "--peak-tflops", "989"], None, "no decode rate: pass --decode-tokens-per-gpu-s"),
+        (
+            ["--mfu", "0.4", "--peak-tflops", "989"],
+            None,
+            "2 rate(s) missing: decode (--decode-tokens-per-gpu-s or --decode-tokens-per-engine-s); "
+            "sync (--sync-gb-per-s), or --from-json",
+        ),
+        (  # every missing rate named in one error, not one run at a time
+            [],
+            None,
+            "4 rate(s) missing: decode (--decode-tokens-per-gpu-s or --decode-tokens-per-engine-s); "
+            "sync (--sync-gb-per-s); peak (--peak-tflops); mfu (--mfu or --train-tokens-per-gpu-s)",
+        ),
         (
             [],
             {
@@ -128,7 +139,7 @@ def test_from_json_equals_the_same_rates_given_as_flags(tmp_path):
                 "sync_gb_per_s": 1.0,
                 "skipped": {"rollout": "vLLM is missing"},
             },
-            "has no field 'rollout_tokens_per_s_per_device' (its rollout part was skipped: vLLM is missing)",
+            "has no field 'rollout_tokens_per_s_per_device', its rollout part was skipped: vLLM is missing",
         ),
         (
             [],

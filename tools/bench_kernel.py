@@ -16,7 +16,6 @@ The checks and timings live in megatron_dapo/kernels/bench.py, the copy bandwidt
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megatron_dapo.cli import parse_tokens
+from megatron_dapo.cli import argument_parser, parse_tokens
 from megatron_dapo.model.dtypes import torch_dtype
 from megatron_dapo.model.perf import copy_bandwidth_gbs
 
@@ -47,7 +46,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--sizes", default="1M,4M,16M,64M,128M", help="comma-separated token counts (K/M/G suffixes)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="logp dtype (old_logp is fp32)")
     ap.add_argument("--seq-len", type=int, default=4096, help="T: tokens per response")

@@ -19,13 +19,15 @@ match the labels, except dapo's on the mixed workload (it compares strings: prin
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import random
 import time
 
+from megatron_dapo.cli import argument_parser, tool_log
 from megatron_dapo.reward import RewardPool, select_verifier
+
+log = tool_log("bench_reward")
 
 _WORDS = (
     "we compute the sum of the terms so the total becomes since each factor divides both sides "
@@ -117,7 +119,7 @@ def _style(verifier: str) -> str:
 def _check(verifier: str, workload: str, got: int, expected: int) -> None:
     """Every row must judge as labelled, except dapo on the mixed workload (it compares strings)."""
     if verifier == "dapo" and workload == "mixed":
-        print(f"dapo on the mixed workload: {got} judged correct of {expected} correct")
+        log(f"dapo on the mixed workload: {got} judged correct of {expected} correct")
     else:
         assert got == expected, f"{verifier}: {got} correct, expected {expected}"
 
@@ -175,7 +177,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--n", type=int, default=8192, help="responses per verifier")
     parser.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
     parser.add_argument(

@@ -53,12 +53,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from megatron_dapo.cli import argument_parser, tool_log
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
 from megatron_dapo.sampling.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.workload import Workload
+
+log = tool_log("bench_sampler")
 
 REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of each length regime."""
@@ -234,11 +237,10 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
             _base_sampler(args, batch), skip_target=args.skip_target, skip_max_consecutive=args.skip_max_consecutive
         )
     )
-    print(
-        f"\nprompt memory: {engines} engines, {batch} x {GROUP} per step, {prompts} prompts, drift {args.drift} a "
+    log(
+        f"prompt memory: {engines} engines, {batch} x {GROUP} per step, {prompts} prompts, drift {args.drift} a "
         f"step, {warmup} warm-up + {steps} measured steps; skip_target {args.skip_target}, skip_max_consecutive "
-        f"{args.skip_max_consecutive}",
-        flush=True,
+        f"{args.skip_max_consecutive}"
     )
     results: dict = {}
     goals = []
@@ -255,7 +257,7 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
             ratio = r["stream"]["summary"]["gen_s_mean"] / r["stream+skip"]["summary"]["gen_s_mean"]
             name = f"stream / stream+skip generation s per step, {regime}, p={p}"
             goals.append({"goal": name, "measured": ratio, "bound": ">= 1.3", "met": ratio >= 1.3})
-            print(f"  memory {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+            log(f"memory {regime} p={p} done ({time.perf_counter() - t0:.0f} s)")
         print("\n" + "\n".join(_memory_table(regime, results[regime])), flush=True)
     return results, goals
 
@@ -279,14 +281,13 @@ def run_sim(args: argparse.Namespace) -> dict:
             for r in rows
         ]
     regimes = {r: REGIMES[r] for r in args.regimes}
-    print(
-        f"\n{engines} engines, {batch} x {GROUP} per step, {warmup} warm-up + {steps} measured steps, "
+    log(
+        f"{engines} engines, {batch} x {GROUP} per step, {warmup} warm-up + {steps} measured steps, "
         f"tick_steps {args.tick_steps}, seed {args.seed}; rows: "
         + "; ".join(
             f"{r.name} (gen_batch_size {r.sampler.gen_batch_size}, engine_sequences {r.sampler.engine_sequences})"
             for r in rows
-        ),
-        flush=True,
+        )
     )
     all_results: dict = {}
     for regime, mean_len in regimes.items() if "main" in args.tables else ():
@@ -299,7 +300,7 @@ def run_sim(args: argparse.Namespace) -> dict:
                     continue
                 workload = Workload(p=p, mean_len=mean_len, oracle=row.oracle, seed=args.seed)
                 all_results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, steps, warmup)
-            print(f"  {regime} p={p} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+            log(f"{regime} p={p} done ({time.perf_counter() - t0:.0f} s)")
         print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
     goals = _goals(all_results)
     memory: dict = {}
@@ -399,13 +400,13 @@ def run_real(args: argparse.Namespace) -> dict:
     train, held = split_problems()
     data = {"train": write_rows(out / "train.jsonl", train)}
     t0 = time.perf_counter()
-    model = Path(args.model) if args.model else warm_start(out / "warm_start", train, held, 0.25, print)
-    print(f"model {model}; {args.steps} rollout steps per mode; runs in {out}", flush=True)
+    model = Path(args.model) if args.model else warm_start(out / "warm_start", train, held, 0.25, log)
+    log(f"model {model}; {args.steps} rollout steps per mode; runs in {out}")
     rows = {}
     for name, overrides in REAL_ROWS.items():
         rows[name] = _real_row(name, [*args.overrides, *overrides], model, data, out, args.steps)
         r = rows[name]
-        print(f"  {name}: {r['steps']} steps in {r['wall_s']:.0f} s", flush=True)
+        log(f"{name}: {r['steps']} steps in {r['wall_s']:.0f} s")
     base = rows["fill carry"]["gen_s_per_group"]
     print()
     print("| mode | gen s / trained group | vs fill carry | generated / trained tokens | wasted % | engine idle s / step "
@@ -430,7 +431,7 @@ PARTS = {"real": run_real, "sim": run_sim}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--part", choices=sorted(PARTS), default="sim", help="which benchmark to run")
     # 12: a multiple of fill-carry's 2-, 3- and 4-step carry cycles, so its mean is not biased by where it stops
     ap.add_argument("--steps", type=int, default=None, help="rollout steps per run (sim: measured, after the "

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import (
     SHAPES,
     measure_peak_tflops,
@@ -263,7 +264,7 @@ def _parts(text: str) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="Hugging Face model directory (Qwen2/Llama)")
     which.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 with its own tokenizer")

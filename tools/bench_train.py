@@ -17,12 +17,12 @@ does a third of the train step's FLOPs (2 per parameter per token); its MFU is r
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import (
     SHAPES,
     measure_peak_tflops,
@@ -35,7 +35,7 @@ from megatron_dapo.model.perf import (
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sample (prompt + response)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sample")

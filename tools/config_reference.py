@@ -11,7 +11,6 @@ README.md holds what this prints.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import json
@@ -19,6 +18,7 @@ import sys
 import typing
 from pathlib import Path
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.config import Config, field_docs
 
 BEGIN = "<!-- config-reference:begin -->"
@@ -77,7 +77,7 @@ def replace_between_markers(text: str, block: str, source: str = "the file") -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--write", metavar="FILE", help="replace the text between the markers in FILE instead of printing")
     args = ap.parse_args(argv)
     reference = render()

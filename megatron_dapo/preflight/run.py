@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.preflight.checks import (
     Check,
     check_determinism,
@@ -234,7 +235,7 @@ def parse_only(text: str | None) -> list[Check]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--fast", action="store_true", help="tiny sizes everywhere (the test's mode)")
     ap.add_argument("--only", default=None, help=f"comma-separated checks: {','.join(BY_NAME)}")
     ap.add_argument("--json", default=None, help="write every row here (rewritten after each check)")

@@ -32,7 +32,6 @@ PyTorch extension must be compiled there).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.preflight.pieces import (
     MIB,
     check_chunk,
@@ -277,7 +277,7 @@ def cmd_install(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--out", type=Path, default=STAGE, help="the staging folder (ignored by git)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     stage = sub.add_parser("stage", help="here: resolve, download, split, write the manifest")

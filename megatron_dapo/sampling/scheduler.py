@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megatron_dapo.cli import UserError
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.prompt_memory import PromptMemory
 from megatron_dapo.sampling.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
@@ -62,7 +63,7 @@ INITIAL_INFORMATIVE_FRAC = 0.5
 """The first step's guess of the informative fraction; later steps start from what earlier steps measured."""
 
 
-class DynamicSamplingError(RuntimeError):
+class DynamicSamplingError(UserError, RuntimeError):
     """The loader cannot fill a batch: too few informative groups within the cap, or too few prompts."""
 
 

@@ -46,12 +46,17 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import SHAPES, model_flops_per_token, param_count, shape_arch
 
 # bench_throughput JSON key for each rate, and the flag that gives it instead
 JSON_RATES = {
-    "decode": ("rollout_tokens_per_s_per_device", "--decode-tokens-per-gpu-s", "rollout"),
-    "mfu": ("mfu", "--mfu (with --peak-tflops) or --train-tokens-per-gpu-s", "train"),
+    "decode": (
+        "rollout_tokens_per_s_per_device",
+        "--decode-tokens-per-gpu-s or --decode-tokens-per-engine-s",
+        "rollout",
+    ),
+    "mfu": ("mfu", "--mfu or --train-tokens-per-gpu-s", "train"),
     "logprob_mfu": ("logprob_mfu", "--logprob-mfu or --logprob-tokens-per-gpu-s", "train"),
     "peak": ("peak_tflops_per_device", "--peak-tflops", "train"),
     "sync": ("sync_gb_per_s", "--sync-gb-per-s", "sync"),
@@ -149,17 +154,20 @@ def _count(text: str) -> int:
     return v
 
 
-def _rate(args, data: dict | None, name: str, flag_value: float | None) -> tuple[float, str]:
-    """A rate from its flag, else from the bench JSON; (value, where it came from)."""
+def _rate(args, data: dict | None, name: str, flag_value: float | None, missing: list[str]) -> tuple[float, str]:
+    """A rate from its flag, else from the bench JSON; (value, where it came from). A rate neither gives is added
+    to `missing` (what to pass for it) and comes back as nan, so one error can name every missing rate."""
     if flag_value is not None:
         return flag_value, "given"
     key, flags, part = JSON_RATES[name]
     if data is None:
-        raise EstimateError(f"no {name} rate: pass {flags}, or --from-json with a bench_throughput result")
+        missing.append(f"{name} ({flags})")
+        return float("nan"), "missing"
     if key not in data:
         skipped = data.get("skipped", {}).get(part)
-        why = f" (its {part} part was skipped: {skipped})" if skipped else ""
-        raise EstimateError(f"{args.from_json} has no field '{key}'{why}: pass {flags}")
+        why = f", its {part} part was skipped: {skipped}" if skipped else ""
+        missing.append(f"{name} ({args.from_json} has no field '{key}'{why}; pass {flags})")
+        return float("nan"), "missing"
     v, fraction = _as_positive(data[key]), name.endswith("mfu")
     if v is None or (fraction and v > 1):
         expected = "a fraction in (0, 1]" if fraction else "a finite number > 0"
@@ -178,31 +186,35 @@ def build_inputs(args) -> tuple[list[StepInputs], list[str]]:
         if not isinstance(data, dict):
             raise EstimateError(f"--from-json {args.from_json}: expected a JSON object (bench_throughput --json)")
     arch = shape_arch(args.shape, int(args.prompt_len + max(args.response_len)))
+    missing: list[str] = []
     if args.decode_tokens_per_engine_s is not None:
         decode, decode_src = args.decode_tokens_per_engine_s / args.vllm_tp, "given per engine"
     else:
-        decode, decode_src = _rate(args, data, "decode", args.decode_tokens_per_gpu_s)
-    sync, sync_src = _rate(args, data, "sync", args.sync_gb_per_s)
+        decode, decode_src = _rate(args, data, "decode", args.decode_tokens_per_gpu_s, missing)
+    sync, sync_src = _rate(args, data, "sync", args.sync_gb_per_s, missing)
     notes = [f"decode {decode:,.1f} tokens/s per GPU ({decode_src})", f"sync {sync:,.3f} GB/s ({sync_src})"]
     train_by_mfu = args.train_tokens_per_gpu_s is None
     fwd_given = args.logprob_mfu is not None or args.logprob_tokens_per_gpu_s is not None
     fwd_from_json = train_by_mfu and not fwd_given and data is not None and "logprob_mfu" in data
     mfu = logprob_mfu = peak = None
     if train_by_mfu or args.logprob_mfu is not None or fwd_from_json:
-        peak, src = _rate(args, data, "peak", args.peak_tflops)
+        peak, src = _rate(args, data, "peak", args.peak_tflops, missing)
         notes.append(f"peak {peak:,.3f} TFLOP/s per GPU ({src})")
     if train_by_mfu:
-        mfu, src = _rate(args, data, "mfu", args.mfu)
+        mfu, src = _rate(args, data, "mfu", args.mfu, missing)
         notes.append(f"train MFU {mfu:.4f} ({src})")
     else:
         notes.append(f"train {args.train_tokens_per_gpu_s:,.1f} tokens/s per GPU (given)")
     if args.logprob_tokens_per_gpu_s is not None:
         notes.append(f"old-logprob {args.logprob_tokens_per_gpu_s:,.1f} tokens/s per GPU (given)")
     elif args.logprob_mfu is not None or fwd_from_json:
-        logprob_mfu, src = _rate(args, data, "logprob_mfu", args.logprob_mfu)
+        logprob_mfu, src = _rate(args, data, "logprob_mfu", args.logprob_mfu, missing)
         notes.append(f"old-logprob MFU {logprob_mfu:.4f} ({src})")
     else:
         notes.append("old-logprob forward at the train step's FLOP/s (no rate of its own given)")
+    if missing:
+        source = "" if data is not None else ", or --from-json with a bench_throughput result"
+        raise EstimateError(f"{len(missing)} rate(s) missing: " + "; ".join(missing) + source)
 
     out = []
     for length in args.response_len:
@@ -271,7 +283,7 @@ def table(inputs: list[StepInputs], results: list[dict[str, float]], title: str,
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--from-json", default=None, help="rates from a tools/bench_throughput.py --json file")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-32b")
     size = ap.add_argument_group("step size (the paper's by default)")
