@@ -10,10 +10,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    # kernels/ installs as megatron_dapo.kernels: a top-level `kernels` would shadow
-    # the Hugging Face package of that name, which transformers imports.
-    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]) + ["megatron_dapo.kernels"],
-    package_dir={"megatron_dapo.kernels": "kernels"},
+    # the Triton kernels live in megatron_dapo/kernels/: a top-level `kernels` folder is imported as
+    # `kernels` by any process started in the repository root, shadowing the Hugging Face package
+    # that transformers imports (vLLM's model inspection then fails on a GPU)
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
     install_requires=[
         # torch is installed first and explicitly (CPU: torch==2.13.0); any range here
         # that 2.13.0 satisfies installs nothing more.

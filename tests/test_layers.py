@@ -28,13 +28,13 @@ LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
 
 def package_sources() -> dict[str, tuple[str, bool]]:
-    """{module name: (source, is a package)}, kernels/ included (installed as megatron_dapo.kernels)."""
+    """{module name: (source, is a package)}."""
     sources = {}
-    for root, prefix in ((REPO / "megatron_dapo", "megatron_dapo"), (REPO / "kernels", "megatron_dapo.kernels")):
-        for path in sorted(root.rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            is_package = parts[-1] == "__init__"
-            sources[".".join((prefix, *parts[: len(parts) - is_package]))] = (path.read_text(), is_package)
+    root = REPO / "megatron_dapo"
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        sources[".".join(("megatron_dapo", *parts[: len(parts) - is_package]))] = (path.read_text(), is_package)
     return sources
 
 
@@ -163,3 +163,11 @@ def test_the_circle_rule_catches_a_lazy_import_back():
         }
     )
     assert found == [["megatron_dapo.reward.hybrid", "megatron_dapo.reward.verifiers"]]
+
+
+def test_the_repository_root_holds_no_package_but_ours():
+    # Any process started in the repository root (python -m, python -c, vLLM's model-inspection subprocess)
+    # has the root on sys.path, where a regular package shadows an installed one of the same name: a
+    # top-level kernels/ hid Hugging Face's `kernels`, which transformers imports, and vLLM failed to start.
+    packages = sorted(p.parent.name for p in REPO.glob("*/__init__.py"))
+    assert packages == ["megatron_dapo"], f"packages at the repository root besides megatron_dapo: {packages}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import re
 
 import pytest
@@ -320,3 +321,19 @@ def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model,
         eng.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4)
     eng.update_weights(items)
     eng._check_ready()  # a full update makes it usable again
+
+
+def test_the_gpu_engine_samples_without_flashinfer_when_it_is_not_installed(monkeypatch):
+    # vLLM 0.25's GPU sampler imports FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0: without it the engine
+    # failed to start on the H100; a user's own setting stays.
+    from megatron_dapo.rollout.vllm_env import gpu_env_defaults, set_engine_env
+
+    assert gpu_env_defaults(lambda name: False) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert gpu_env_defaults(lambda name: name == "flashinfer") == {}
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    set_engine_env(on_gpu=True)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    set_engine_env(on_gpu=True)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"

@@ -6,6 +6,7 @@ Run like the others (megatron_dapo/preflight/run.py), each in its own process; v
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ def check_bridge(ctx: dict) -> Result:
 def check_bridge_fp8(ctx: dict) -> Result:
     """The same with rollout.quantization=fp8: the engine starts block-FP8, every sync quantizes; its tokens/s
     against the bridge check's (same shape, prompts and lengths) is what FP8 rollouts buy."""
+    # vLLM warms 1482 DeepGEMM shapes at start by default: over 4 minutes on the H100 for the 1.5B shape
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     with tempfile.TemporaryDirectory(prefix="preflight_bridge_fp8_") as tmp:
         return _bridge(ctx, Path(tmp), quantization="fp8")
 
@@ -71,7 +74,9 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
         shape = "qwen2.5-0.5b" if ctx["fast"] else "qwen2.5-1.5b"
         arch = shape_arch(shape, 4096)
         model_dir, weights = _shape_model_dir(arch, tmp), None
-        tol_mean, tol_max = 0.02, 0.5  # bf16 in both; different attention kernels (references, not yet measured)
+        # bf16 in both, different attention kernels; measured on the H100 (random 1.5B weights): 0.021-0.030 mean,
+        # 0.095-0.127 max against 1.07 mean with stale weights
+        tol_mean, tol_max = 0.05, 0.5
         if quantization == "fp8":  # FP8 weights and activations against bf16 (references, not yet measured)
             tol_mean, tol_max = 0.1, 3.0
     else:

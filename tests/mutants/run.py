@@ -2,8 +2,7 @@
 
 Each mutant in the *.toml files beside this script (one file per layer) names a file, an exact snippet of it (found exactly once), the
 snippet's replacement, the bug that stands for, and the tests that must catch it. The scratch copy holds the whole
-work tree (package, tests, tools, scripts), with the package's kernels/ linked where it is installed
-(megatron_dapo/kernels); pytest runs from it, and PYTHONPATH puts it first for every subprocess the tests start
+work tree (package, tests, tools, scripts); pytest runs from it, and PYTHONPATH puts it first for every subprocess the tests start
 (torchrun workers, the trainer, tools), so the mutated package is the one every process imports.
 
 First the named tests run on the unmutated copy: they must pass, or a "killed" would mean nothing. Then, for each
@@ -74,7 +73,7 @@ def load_mutants(folder: Path = HERE) -> list[Mutant]:
 
 
 def scratch_copy(dest: Path) -> Path:
-    """The work tree (tracked and untracked files git does not ignore) under dest, the package's kernels linked in."""
+    """The work tree (tracked and untracked files git does not ignore) under dest."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -86,7 +85,6 @@ def scratch_copy(dest: Path) -> Path:
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    (dest / "megatron_dapo" / "kernels").symlink_to(Path("..") / "kernels")  # setup.py's package_dir mapping
     return dest
 
 
