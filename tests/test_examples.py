@@ -1,7 +1,7 @@
 """The example configs and the generated config reference.
 
 Each example loads and validates, its parallel layout fits the model it names and the world size it
-documents, and the 32B example is the paper's run field by field. README.md's config reference is what
+documents, and the 32B example is the paper's run field by field. docs/config.md's config reference is what
 tools/config_reference.py generates, and lists every field.
 """
 
@@ -195,23 +195,40 @@ def _fields(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def test_readme_config_reference_is_current_and_complete():
+def test_docs_config_reference_is_current_and_complete():
     tool = _reference_tool()
-    readme = (REPO / "README.md").read_text()
-    regenerated = tool.replace_between_markers(readme, tool.render())
-    assert regenerated == readme, (
-        "README.md's config reference is stale: python tools/config_reference.py --write README.md"
+    assert tool.DEFAULT_TARGET == REPO / "docs" / "config.md"
+    page = tool.DEFAULT_TARGET.read_text()
+    regenerated = tool.replace_between_markers(page, tool.render())
+    assert regenerated == page, (
+        "docs/config.md's config reference is stale: python tools/config_reference.py --write docs/config.md"
     )
-    missing = [key for key in _fields(Config) if f"| `{key}` |" not in readme]
+    missing = [key for key in _fields(Config) if f"| `{key}` |" not in page]
     assert not missing
+
+
+def test_readme_links_the_config_reference_and_no_longer_holds_it():
+    readme = (REPO / "README.md").read_text()
+    assert "(docs/config.md)" in readme
+    tool = _reference_tool()
+    assert tool.BEGIN not in readme and tool.END not in readme
 
 
 def test_reference_write_replaces_only_the_marked_text(tmp_path):
     tool = _reference_tool()
-    f = tmp_path / "README.md"
+    f = tmp_path / "config.md"
     f.write_text(f"# Title\n\n{tool.BEGIN}\nstale\n{tool.END}\n\n## After\n")
     tool.main(["--write", str(f)])
     assert f.read_text() == f"# Title\n\n{tool.BEGIN}\n{tool.render()}{tool.END}\n\n## After\n"
     f.write_text("# no markers\n")
     with pytest.raises(SystemExit, match="config-reference:begin"):
         tool.main(["--write", str(f)])
+
+
+def test_reference_write_without_a_file_targets_docs_config_md(tmp_path, monkeypatch):
+    tool = _reference_tool()
+    f = tmp_path / "config.md"
+    f.write_text(f"{tool.BEGIN}\nstale\n{tool.END}\n")
+    monkeypatch.setattr(tool, "DEFAULT_TARGET", f)
+    tool.main(["--write"])
+    assert f.read_text() == f"{tool.BEGIN}\n{tool.render()}{tool.END}\n"

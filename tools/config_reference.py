@@ -1,12 +1,13 @@
 """The Markdown configuration reference, generated from the config dataclasses and their field docstrings.
 
-    python tools/config_reference.py                    # print it
-    python tools/config_reference.py --write README.md  # replace the text between the markers in README.md
+    python tools/config_reference.py                         # print it
+    python tools/config_reference.py --write docs/config.md  # replace the text between the markers in docs/config.md
+    python tools/config_reference.py --write                 # the same: docs/config.md is the default target
 
 The markers are `<!-- config-reference:begin -->` and `<!-- config-reference:end -->`. Each section of
 megatron_dapo/config.py becomes a table (key, type, default, meaning); the meaning is the string literal that
 follows the field, the same docstrings tests/test_config.py requires. tests/test_examples.py checks that
-README.md holds what this prints.
+docs/config.md holds what this prints.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from megatron_dapo.config import Config, field_docs
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
+DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+"""Where the reference lives (the README links to it): what --write without a FILE replaces."""
 
 
 def type_name(tp: typing.Any) -> str:
@@ -78,7 +81,13 @@ def replace_between_markers(text: str, block: str, source: str = "the file") -> 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argument_parser(__doc__)
-    ap.add_argument("--write", metavar="FILE", help="replace the text between the markers in FILE instead of printing")
+    ap.add_argument(
+        "--write",
+        metavar="FILE",
+        nargs="?",
+        const=str(DEFAULT_TARGET),
+        help="replace the text between the markers in FILE (docs/config.md when FILE is left out) instead of printing",
+    )
     args = ap.parse_args(argv)
     reference = render()
     if args.write is None:
