@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     why_not = {
         "cuda": f"needs CUDA: torch {torch.__version__} sees no GPU here",
         "vllm": "needs vLLM: not installed",
-        "te": "needs Transformer Engine: not installed (not staged for the GPU machine: README, GPU preflight)",
+        "te": "needs Transformer Engine: not installed (not staged for the GPU machine: docs/slurm.md, GPU preflight)",
     }
     ctx: dict[str, Any] = {"fast": args.fast}
     rows: list[Row] = []

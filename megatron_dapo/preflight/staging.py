@@ -26,7 +26,7 @@ the target is built here with `pip wheel` if it is pure Python (antlr4-python3-r
 Pieces: files are packed first-fit by decreasing size into folders of at most --piece-mib; a file larger than
 that (the vLLM wheel, 250 MB) is cut into byte ranges. gpu_stage/manifest.json records every file's size and
 sha256 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after
-reassembly. Transformer Engine is not staged (README, "GPU preflight": its core library alone is 276 MB and its
+reassembly. Transformer Engine is not staged (docs/slurm.md, "GPU preflight": its core library alone is 276 MB and its
 PyTorch extension must be compiled there).
 """
 
