@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,14 +92,70 @@ def hf_response_logprobs(model, sample: dict, temperature: float) -> tuple[torch
     return token, -(logp.exp() * logp).sum(-1)[span].detach()
 
 
+@dataclass(frozen=True)
+class Job:
+    """One check of megatron_worker.py: the world it needs, its case directory and the worker's other arguments.
+    slow: left out when the run deselects the slow tests (make test-fast)."""
+
+    nproc: int
+    case: Path
+    args: tuple[str, ...]
+    slow: bool = False
+
+
+def wants_slow(config) -> bool:
+    """Whether this pytest run keeps the tests marked slow (make test-fast passes -m "not slow")."""
+    return "not slow" not in (config.option.markexpr or "")
+
+
+def run_jobs(jobs: dict[str, Job], out: Path, slow: bool = True) -> dict[str, dict | str]:
+    """Every job (the slow ones only if slow), one torchrun launch per world size, the jobs of a launch one after
+    another in the same processes: {name: its rank files merged (see merge), or the text of its failure}."""
+    results: dict[str, dict | str] = {}
+    for nproc in sorted({j.nproc for j in jobs.values()}):
+        batch = {n: j for n, j in jobs.items() if j.nproc == nproc and (slow or not j.slow)}
+        if not batch:
+            continue
+        argv = [["--case", str(j.case), "--out", str(out / name), *j.args] for name, j in batch.items()]
+        listing = out / f"jobs_{nproc}.json"
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing.write_text(json.dumps(argv))
+        proc = _launch(nproc, ["--jobs", str(listing)])
+        for name in batch:
+            errors = sorted((out / name).glob("error_rank*.txt"))
+            if errors:
+                results[name] = errors[0].read_text()
+            elif (out / name).is_dir() and any((out / name).glob("rank*.pt")):
+                results[name] = merge(out / name)
+            else:
+                results[name] = f"not run: the launch ended first\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return results
+
+
+def result(results: dict[str, dict | str], name: str) -> dict:
+    """A job's merged rank files; its failure (the worker's traceback) fails the test that asks."""
+    got = results[name]
+    if isinstance(got, str):
+        raise AssertionError(f"worker job {name} failed:\n{got}")
+    return got
+
+
 def run_worker(case: Path, out: Path, nproc: int, *args: str) -> dict:
-    """torchrun megatron_worker.py; returns the rank files merged (pipeline stages hold disjoint layers)."""
+    """torchrun megatron_worker.py, one job; returns the rank files merged (pipeline stages hold disjoint layers)."""
     out.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [str(WORKER), "--case", str(case), "--out", str(out), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = _launch(nproc, ["--case", str(case), "--out", str(out), *args])
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return merge(out)
+
+
+def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
+    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def merge(out: Path) -> dict:
+    """The rank files of one job merged: grads and weights by name, the rest from whichever rank holds it."""
     merged: dict = {"grads": {}, "weights": {}}
     for f in sorted(out.glob("rank*.pt")):
         part = torch.load(f)

@@ -30,8 +30,10 @@ import os
 
 import torch
 
+from megatron_dapo.model.logprobs import ENTROPY_CHUNK_ELEMENTS as DEFAULT_CHUNK
 
-def main() -> None:
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
@@ -42,14 +44,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--entropy-chunk-elements", type=int, default=None, help="token_entropy's chunk (logits per pass)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> None:
+    """One job (the arguments above), or `--jobs FILE`: a JSON list of jobs' argument lists, run one after another in
+    this world (one launch, one import of torch and Megatron, for many checks). A failing job writes its traceback to
+    its --out as error_rank{RANK}.txt; a lone process goes on with the next job, a world stops (its collectives
+    could not)."""
+    import json
+    import sys
+    import traceback
+
+    argv = sys.argv[1:]
+    jobs = json.loads(open(argv[1]).read()) if argv[:1] == ["--jobs"] else [argv]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for i, job in enumerate(jobs):
+        args = parser().parse_args(job)
+        try:
+            run_job(args, last=i == len(jobs) - 1)
+        except Exception:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"error_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+            if world > 1 or i == len(jobs) - 1:
+                raise
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+
+
+def run_job(args: argparse.Namespace, last: bool) -> None:
     from megatron.core import parallel_state
 
     from megatron_dapo.config import load_config
     from megatron_dapo.model import logprobs
     from megatron_dapo.model.arch import ModelArch
-    from megatron_dapo.model.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.model.parallel import init_parallel
     from megatron_dapo.model.policy import MegatronPolicy, TrainSample
     from megatron_dapo.model.provider import tp_gathered_tensors
 
@@ -57,8 +88,9 @@ def main() -> None:
     # would turn 1e-9 differences in near-zero grads into lr-sized differences in the weights
     base = ["model.dtype=fp32", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.adam_eps=1e-4"]
     cfg = load_config(overrides=[*base, *args.overrides])
-    if args.entropy_chunk_elements:
-        logprobs.ENTROPY_CHUNK_ELEMENTS = args.entropy_chunk_elements
+    logprobs.ENTROPY_CHUNK_ELEMENTS = args.entropy_chunk_elements or DEFAULT_CHUNK
+    torch.manual_seed(0)  # what a job draws from the default generator does not depend on the jobs before it
+    os.makedirs(args.out, exist_ok=True)
     arch = ModelArch.from_hf_dir(args.case)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=1234)
     policy = MegatronPolicy(cfg, arch, layout, torch.load(os.path.join(args.case, "weights.pt")))
@@ -76,20 +108,20 @@ def main() -> None:
         result.update(bridge(policy, cfg, arch, layout))
         if layout.rank == 0:
             torch.save(result, os.path.join(args.out, "rank0.pt"))
-        destroy_parallel()
+        finish(policy, last)
         return
     if args.mode == "resume":
         result.update(resume(policy, samples, mine, cfg, arch, layout, args.out))
         if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
-        destroy_parallel()
+        finish(policy, last)
         return
     if args.mode in ("vllm", "serve"):
         run = vllm_sync if args.mode == "vllm" else vllm_serve
         result.update(run(policy, samples, cfg, arch, layout, args.case))
         if parallel_state.get_tensor_model_parallel_rank() == 0 and result.get("megatron") is not None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
-        destroy_parallel()
+        finish(policy, last)
         return
     first = policy.compute_logprobs(samples, args.temperature)
     if args.mode == "nan":
@@ -106,7 +138,7 @@ def main() -> None:
         result["metrics"] = policy.train_step(samples, args.temperature)
         result["steps_after_good"] = policy.optimizer_steps
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
-        destroy_parallel()
+        finish(policy, last)
         return
     if args.mode == "logprobs":
         result["logprobs"] = first
@@ -131,7 +163,20 @@ def main() -> None:
         result["before"], result["after"] = first, current
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
-    destroy_parallel()
+    finish(policy, last)
+
+
+def finish(policy, last: bool) -> None:
+    """The last job ends the world; any other frees its policy and Megatron's groups, keeping torch.distributed."""
+    from megatron.core import parallel_state
+
+    from megatron_dapo.model.parallel import destroy_parallel
+
+    if last:
+        destroy_parallel()
+        return
+    policy.close()
+    parallel_state.destroy_model_parallel()
 
 
 def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:

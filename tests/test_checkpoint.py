@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import Job, random_batch, result, run_jobs, save_case, tiny_hf_model, wants_slow
+
+LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tp=2"]), "dp2-distributed-optimizer": (2, [])}
 
 
-@pytest.mark.parametrize(
-    "nproc, overrides",
-    [
-        pytest.param(1, [], id="single"),
-        pytest.param(2, ["parallel.tp=2"], id="tp2", marks=pytest.mark.slow),
-        pytest.param(2, [], id="dp2-distributed-optimizer", marks=pytest.mark.slow),
-    ],
-)
-def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoint(tmp_path, nproc, overrides):
-    case = save_case(tiny_hf_model("qwen2", seed=5, vocab_size=250), random_batch(8, 16, 250, seed=4), tmp_path / "c")
-    got = run_worker(case, tmp_path / "out", nproc, "--mode", "resume", "optim.warmup_steps=5", *overrides)
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory) -> dict:
+    """The resume checks of every layout, one launch per world size: {layout: merged result, or its failure}."""
+    root = tmp_path_factory.mktemp("runs")
+    case = save_case(tiny_hf_model("qwen2", seed=5, vocab_size=250), random_batch(8, 16, 250, seed=4), root / "c")
+    jobs = {
+        name: Job(nproc, case, ("--mode", "resume", "optim.warmup_steps=5", *overrides), slow=nproc > 1)
+        for name, (nproc, overrides) in LAYOUTS.items()
+    }
+    return run_jobs(jobs, root, slow=wants_slow(request.config))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "single" else []) for n in LAYOUTS])
+def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoint(ran, name):
+    got = result(ran, name)
     a, b = got["metrics_a"], got["metrics_b"]
     for key in ("actor/loss", "actor/grad_norm", "actor/lr", "actor/clip_frac_low", "actor/clip_frac_high"):
         assert b[key] == a[key], key  # bit-identical: same weights, Adam moments, step counts and LR schedule

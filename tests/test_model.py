@@ -1,7 +1,8 @@
 """The Megatron policy against Hugging Face transformers, the train step's sign, and layout checks.
 
 Megatron runs in torchrun subprocesses (its global state and the CPU patches stay out of
-the test process); the reference is transformers' own model with the same weights.
+the test process), every check of the file one job of two launches (1 and 2 processes); the reference is
+transformers' own model with the same weights.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ import json
 
 import pytest
 import torch
-from megatron_helpers import hf_response_logprobs, random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import (
+    Job,
+    hf_response_logprobs,
+    random_batch,
+    result,
+    run_jobs,
+    save_case,
+    tiny_hf_model,
+    wants_slow,
+)
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
@@ -27,35 +37,60 @@ def hf_reference(model, batch: list[dict], temperature: float) -> list[dict[str,
         return [dict(zip(("logp", "entropy"), hf_response_logprobs(model, b, temperature))) for b in batch]
 
 
-@pytest.mark.parametrize(
-    "family, tied, nproc, overrides",
-    [
-        pytest.param("qwen2", False, 1, [], id="qwen2"),
-        pytest.param("llama", True, 1, [], id="llama-tied", marks=pytest.mark.slow),
-        pytest.param("qwen2", False, 2, ["parallel.tp=2"], id="qwen2-tp2", marks=pytest.mark.slow),
-        pytest.param("llama", True, 2, ["parallel.pp=2"], id="llama-tied-pp2", marks=pytest.mark.slow),
-    ],
-)
-def test_logprobs_and_entropy_match_transformers(tmp_path, family, tied, nproc, overrides):
-    model = tiny_hf_model(family, seed=3, vocab_size=VOCAB, tied=tied)
-    batch = random_batch(6, 14, VOCAB, seed=5)
-    case = save_case(model, batch, tmp_path / "case")
+LOGPROB_RUNS = {  # name: (family, tied, nproc, overrides, slow)
+    "qwen2": ("qwen2", False, 1, [], False),
+    "llama-tied": ("llama", True, 1, [], True),
+    "qwen2-tp2": ("qwen2", False, 2, ["parallel.tp=2"], True),
+    "llama-tied-pp2": ("llama", True, 2, ["parallel.pp=2"], True),
+}
+
+
+def logprob_model(family: str, tied: bool):
+    return tiny_hf_model(family, seed=3, vocab_size=VOCAB, tied=tied)
+
+
+def advantage_batch(sign: float) -> list[dict]:
+    batch = random_batch(4, 12, VOCAB, seed=6)
+    for b in batch:
+        b["advantage"], b["in_loss"] = sign, True
+    return batch
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory) -> dict:
+    """Every worker run of this file: {name: the worker's merged result, or its failure}."""
+    root = tmp_path_factory.mktemp("runs")
+    jobs = {}
     # entropy in chunks of 5 (tp2: 10) positions of the 256 padded columns: uneven chunk boundaries in every row set
-    chunk = ["--entropy-chunk-elements", "1280"]
-    got = run_worker(case, tmp_path / "out", nproc, "--mode", "logprobs", "--temperature", "0.7", *chunk, *overrides)
-    want = hf_reference(model, batch, 0.7)
+    chunk = ("--entropy-chunk-elements", "1280")
+    for name, (family, tied, nproc, overrides, slow) in LOGPROB_RUNS.items():
+        case = save_case(logprob_model(family, tied), random_batch(6, 14, VOCAB, seed=5), root / f"case-{name}")
+        jobs[name] = Job(nproc, case, ("--mode", "logprobs", "--temperature", "0.7", *chunk, *overrides), slow)
+    case = save_case(logprob_model("qwen2", False), random_batch(4, 14, VOCAB, seed=5), root / "case-bf16")
+    jobs["bf16"] = Job(1, case, ("--mode", "logprobs", "--temperature", "1.0", "model.dtype=bf16"))
+    for sign in (1.0, -1.0):
+        case = save_case(tiny_hf_model("qwen2", seed=4, vocab_size=VOCAB), advantage_batch(sign), root / f"c{sign}")
+        jobs[f"steps{sign}"] = Job(1, case, ("--mode", "steps", "--steps", "3", "--temperature", "1.0"))
+    return run_jobs(jobs, root, slow=wants_slow(request.config))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.slow] if run[-1] else []) for n, run in LOGPROB_RUNS.items()],
+)
+def test_logprobs_and_entropy_match_transformers(ran, name):
+    family, tied = LOGPROB_RUNS[name][:2]
+    got = result(ran, name)
+    want = hf_reference(logprob_model(family, tied), random_batch(6, 14, VOCAB, seed=5), 0.7)
     for g, w in zip(got["logprobs"], want):
         torch.testing.assert_close(g["logp"].double(), w["logp"], rtol=0, atol=1e-5)
         torch.testing.assert_close(g["entropy"].double(), w["entropy"], rtol=0, atol=1e-5)
 
 
-def test_bf16_policy_tracks_fp32_transformers(tmp_path):
+def test_bf16_policy_tracks_fp32_transformers(ran):
     """bf16 (the default precision): same logprobs up to bf16 rounding of weights and activations."""
-    model = tiny_hf_model("qwen2", seed=3, vocab_size=VOCAB)
-    batch = random_batch(4, 14, VOCAB, seed=5)
-    case = save_case(model, batch, tmp_path / "case")
-    got = run_worker(case, tmp_path / "out", 1, "--mode", "logprobs", "--temperature", "1.0", "model.dtype=bf16")
-    want = hf_reference(model, batch, 1.0)
+    got = result(ran, "bf16")
+    want = hf_reference(logprob_model("qwen2", False), random_batch(4, 14, VOCAB, seed=5), 1.0)
     diff = max(float((g["logp"].double() - w["logp"]).abs().max()) for g, w in zip(got["logprobs"], want))
     # differs (it is bf16), but only by rounding: 0.0023 here (0.0014-0.0023 over model seeds 3, 4, 8), where a
     # log-softmax taken in bf16 rather than fp32 errs by 0.025
@@ -63,14 +98,9 @@ def test_bf16_policy_tracks_fp32_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_train_steps_move_logprobs_with_the_advantage(tmp_path, sign):
+def test_train_steps_move_logprobs_with_the_advantage(ran, sign):
     """Positive advantages raise the sampled tokens' logprobs, negative ones lower them: sign and scale end to end."""
-    model = tiny_hf_model("qwen2", seed=4, vocab_size=VOCAB)
-    batch = random_batch(4, 12, VOCAB, seed=6)
-    for b in batch:
-        b["advantage"], b["in_loss"] = sign, True
-    case = save_case(model, batch, tmp_path / "case")
-    got = run_worker(case, tmp_path / "out", 1, "--mode", "steps", "--steps", "3", "--temperature", "1.0")
+    got = result(ran, f"steps{sign}")
     before = torch.cat([x["logp"] for x in got["before"]])
     after = torch.cat([x["logp"] for x in got["after"]])
     assert sign * float((after - before).mean()) > 0.05

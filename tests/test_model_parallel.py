@@ -6,6 +6,8 @@ transformers' own model in float64 with the DAPO loss written out here: the loss
 the ratio metrics, the clipped gradients and AdamW's first step must match it; the 2-process layouts must also
 match the 1-process run at fp32 tolerances. The token-mean check: one mini-batch split into 1, 2 or 4 micro-batches,
 and over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail).
+
+Every run of the file is one job of two torchrun launches (1 and 2 processes; tests/megatron_helpers.py run_jobs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ import math
 
 import pytest
 import torch
-from megatron_helpers import hf_response_logprobs, random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import (
+    Job,
+    hf_response_logprobs,
+    random_batch,
+    result,
+    run_jobs,
+    save_case,
+    tiny_hf_model,
+    wants_slow,
+)
 
 from megatron_dapo.convert.layouts import megatron_to_hf
 from megatron_dapo.model.arch import ModelArch
@@ -45,8 +56,44 @@ def case(model, batch, tmp_path_factory):
     return save_case(model, batch, tmp_path_factory.mktemp("case"))
 
 
-def run(case, tmp_path, name: str, nproc: int, *overrides: str) -> dict:
-    return run_worker(case, tmp_path / name, nproc, "--mode", "train", *LOSS, *overrides)
+PIPELINES = {  # name: (family, tied, layers, overrides), each against its own 1-process run
+    "pp2-tied-embeddings": ("llama", True, 2, ["parallel.pp=2"]),  # the tied embedding lives on both stages
+    "pp2-vpp2": ("qwen2", False, 4, ["parallel.pp=2", "parallel.vpp=2"]),  # interleaved 1F1B over 2 chunks a stage
+}
+
+
+def budget(samples: int) -> str:
+    return f"train.max_tokens_per_microbatch={samples * SEQ}"
+
+
+@pytest.fixture(scope="module")
+def ran(case, request, tmp_path_factory) -> dict:
+    """Every train step of this file: {run name: the worker's merged result, or its failure}."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def train(nproc: int, *overrides: str, on=case, slow: bool = False) -> Job:
+        return Job(nproc, on, ("--mode", "train", *LOSS, *overrides), slow)
+
+    no_distopt = "parallel.use_distributed_optimizer=false"
+    jobs = {
+        "ref": train(1, budget(8)),  # one micro-batch
+        "mb2": train(1, budget(4)),
+        "mb4": train(1, budget(2)),
+        "tis": train(1, budget(4), f"algorithm.tis_cap={TIS_CAP}"),
+        "selective": train(1, budget(8), "model.recompute=selective"),
+        "full": train(1, budget(8), "model.recompute=full"),
+        "tp2": train(2, budget(8), "parallel.tp=2"),
+        "pp2": train(2, budget(8), "parallel.pp=2"),
+        "dp2": train(2, budget(8), no_distopt),
+        "dp2-distopt": train(2, budget(8)),
+        "dp2-mb2": train(2, budget(2), no_distopt),  # 2 DP ranks x 2 micro-batches each
+    }
+    for name, (family, tied, layers, overrides) in PIPELINES.items():
+        model = tiny_hf_model(family, seed=11, vocab_size=250, layers=layers, tied=tied)
+        own = save_case(model, random_batch(8, SEQ, 250, seed=2), root / f"case-{name}")
+        jobs[f"{name}-ref"] = train(1, budget(2), on=own, slow=True)  # 4 micro-batches: the schedules interleave
+        jobs[name] = train(2, budget(2), *overrides, on=own, slow=True)
+    return run_jobs(jobs, root, slow=wants_slow(request.config))
 
 
 def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict:
@@ -138,9 +185,9 @@ def assert_same(ref: dict, got: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(case, tmp_path_factory):
+def reference(ran):
     """The 1-process run, one micro-batch."""
-    return run(case, tmp_path_factory.mktemp("ref"), "ref", 1, f"train.max_tokens_per_microbatch={8 * SEQ}")
+    return result(ran, "ref")
 
 
 def test_one_process_step_matches_float64_transformers(reference, expected, case):
@@ -149,22 +196,15 @@ def test_one_process_step_matches_float64_transformers(reference, expected, case
     assert_matches_float64(expected, reference, case, "1 process")
 
 
-@pytest.mark.parametrize(
-    "name, overrides",
-    [
-        pytest.param("tp2", ["parallel.tp=2"], id="tp2"),
-        pytest.param("pp2", ["parallel.pp=2"], id="pp2"),
-        pytest.param("dp2", ["parallel.use_distributed_optimizer=false"], id="dp2"),
-    ],
-)
-def test_two_process_layouts_match_one_process(case, reference, expected, tmp_path, name, overrides):
-    got = run(case, tmp_path, name, 2, f"train.max_tokens_per_microbatch={8 * SEQ}", *overrides)
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2"])
+def test_two_process_layouts_match_one_process(case, reference, expected, ran, name):
+    got = result(ran, name)
     assert_same(reference, got, name)
     assert_matches_float64(expected, got, case, name)
 
 
-def test_distributed_optimizer_over_dp2_gives_the_same_weights(case, reference, tmp_path):
-    got = run(case, tmp_path, "dp2-distopt", 2, f"train.max_tokens_per_microbatch={8 * SEQ}")
+def test_distributed_optimizer_over_dp2_gives_the_same_weights(reference, ran):
+    got = result(ran, "dp2-distopt")
     for name, t in reference["weights"].items():
         torch.testing.assert_close(got["weights"][name], t, rtol=1e-5, atol=1e-6, msg=name)
     assert got["metrics"]["actor/loss"] == pytest.approx(reference["metrics"]["actor/loss"], rel=1e-5)
@@ -172,28 +212,20 @@ def test_distributed_optimizer_over_dp2_gives_the_same_weights(case, reference, 
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
-def test_token_mean_is_global_across_micro_batches(case, reference, expected, tmp_path, microbatches):
-    budget = 8 // microbatches * SEQ
-    got = run(case, tmp_path, f"mb{microbatches}", 1, f"train.max_tokens_per_microbatch={budget}")
+def test_token_mean_is_global_across_micro_batches(case, reference, expected, ran, microbatches):
+    got = result(ran, f"mb{microbatches}")
     assert_same(reference, got, f"{microbatches} micro-batches")
     assert_matches_float64(expected, got, case, f"{microbatches} micro-batches")
 
 
-def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, expected, tmp_path):
+def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, expected, ran):
     # 2 DP ranks x 2 micro-batches each: the normaliser spans all four
-    got = run(
-        case,
-        tmp_path,
-        "dp2-mb2",
-        2,
-        f"train.max_tokens_per_microbatch={2 * SEQ}",
-        "parallel.use_distributed_optimizer=false",
-    )
+    got = result(ran, "dp2-mb2")
     assert_same(reference, got, "dp2 x 2 micro-batches")
     assert_matches_float64(expected, got, case, "dp2 x 2 micro-batches")
 
 
-def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, tmp_path):
+def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, ran):
     """Rollout logprobs and algorithm.tis_cap: the loss and gradients are those of the IS-weighted loss in float64.
 
     Two micro-batches, so each must carry its own samples' rollout logprobs; the cap changes the loss, so a loss
@@ -205,29 +237,17 @@ def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, tmp_p
     uncapped = dapo_float64(model, batch, tis_cap=math.inf)
     for other in (expected, uncapped):  # far beyond the rel=1e-5 the comparison allows
         assert abs(want["loss"] - other["loss"]) > 1e-2 * abs(want["loss"])
-    got = run(case, tmp_path, "tis", 1, f"train.max_tokens_per_microbatch={4 * SEQ}", f"algorithm.tis_cap={TIS_CAP}")
+    got = result(ran, "tis")
     assert_matches_float64(want, got, case, "truncated IS")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "family, tied, layers, overrides",
-    [
-        ("llama", True, 2, ["parallel.pp=2"]),  # the tied embedding lives on both stages
-        ("qwen2", False, 4, ["parallel.pp=2", "parallel.vpp=2"]),  # interleaved 1F1B over 2 chunks a stage
-    ],
-    ids=["pp2-tied-embeddings", "pp2-vpp2"],
-)
-def test_pipeline_variants_match_one_process(tmp_path, family, tied, layers, overrides):
-    model = tiny_hf_model(family, seed=11, vocab_size=250, layers=layers, tied=tied)
-    case = save_case(model, random_batch(8, SEQ, 250, seed=2), tmp_path / "case")
-    budget = f"train.max_tokens_per_microbatch={2 * SEQ}"  # 4 micro-batches: the schedules interleave
-    ref = run(case, tmp_path, "ref", 1, budget)
-    got = run(case, tmp_path, "pp", 2, budget, *overrides)
-    assert_same(ref, got, overrides[-1])
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_variants_match_one_process(ran, name):
+    assert_same(result(ran, f"{name}-ref"), result(ran, name), name)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_activation_recompute_changes_nothing(case, reference, tmp_path, mode):
-    got = run(case, tmp_path, mode, 1, f"train.max_tokens_per_microbatch={8 * SEQ}", f"model.recompute={mode}")
+def test_activation_recompute_changes_nothing(reference, ran, mode):
+    got = result(ran, mode)
     assert_same(reference, got, f"recompute={mode}")

@@ -381,107 +381,78 @@ def _informative_at_random(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """uninterrupted(variant) -> (cmd, env, metrics lines, its run_dir) of a 4-step run with a checkpoint every step, made once.
+    """(cmd, env, metrics lines, run_dir) of a 5-step run with a checkpoint every step, whose checkpoints hold every
+    kind of sampler state at once.
 
     Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
-    so steps abort and requeue groups, with partial rollout pause them across the weight sync, and with prompt
-    memory (12 prompts: each comes up every other step) record every group and skip prompts: the checkpoints
-    hold that state. variant: "stream", "partial" or "skip".
+    so steps abort and requeue groups; partial rollout pauses groups across the weight sync; prompt memory (12
+    prompts: each comes up every other step) records every group and skips prompts.
     """
-    runs: dict[str, tuple] = {}
+    root = tmp_path_factory.mktemp("uninterrupted")
+    rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
+    common = [
+        *_informative_at_random(root),
+        f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-3",
+        "reward.num_workers=1",
+        "trainer.total_steps=5",
+        "trainer.save_every=1",
+        "trainer.tensorboard=false",
+        "sampler.partial_rollout=true",
+        "algorithm.tis_cap=2.0",
+        "sampler.engine_sequences=40",
+        "sampler.skip=true",
+        "sampler.skip_adapt=1.0",  # the exploration probability drops to its floor after one step
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
+    full = root / "full"
+    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = metrics(full)
+    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    return cmd, env, lines, full
 
-    def get(variant: str) -> tuple[list[str], dict, list[dict], Path]:
-        if variant in runs:
-            return runs[variant]
-        partial = variant == "partial"
-        root = tmp_path_factory.mktemp(variant)
-        common = [
-            *_informative_at_random(root),
-            "optim.mini_batch_size=8",
-            "optim.warmup_steps=0",
-            "optim.lr=1e-3",
-            "reward.num_workers=1",
-            "trainer.total_steps=4",
-            "trainer.save_every=1",
-            "trainer.tensorboard=false",
-        ]
-        if partial:
-            common += ["sampler.partial_rollout=true", "algorithm.tis_cap=2.0", "sampler.engine_sequences=40"]
-        if variant == "skip":  # the exploration probability drops to its floor after one step
-            rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
-            common += [f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]", "sampler.skip=true",
-                       "sampler.skip_adapt=1.0"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
-        cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
-        full = root / "full"
-        done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        lines = metrics(full)
-        assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0]
-        runs[variant] = cmd, env, lines, full
-        return runs[variant]
 
-    return get
+def _wait_for(path_ready, proc: subprocess.Popen, what: str) -> None:
+    import time
+
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not path_ready():
+        time.sleep(0.05)
+    assert path_ready(), f"{what}: the run ended first (exit {proc.poll()})"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["stream", "partial", "skip"])
-def test_kill_9_mid_step_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, variant):
-    """SIGKILL lands in step 3; the resumed run repeats steps 3-4 exactly (with prompt memory: its record too)."""
-    import signal
-    import time
+def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
+    """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
+    part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's):
 
-    cmd, env, lines, full = uninterrupted(variant)
+    1. SIGKILL lands in step 3 (no handler, no save): the next run resumes from step 2's checkpoint;
+    2. that run, saving nothing on its own (save_every=0), gets SIGTERM after step 3: it saves and exits 0, unfinished;
+    3. the last run resumes from the signal's checkpoint and finishes; its metrics, step for step, and the prompt
+       memory it saves at the end are the uninterrupted run's.
+    """
+    import signal
+
+    cmd, env, lines, full = uninterrupted
     want = [comparable(m) for m in lines]
-    partial = variant == "partial"
-    key = "sampler/paused" if partial else "sampler/requeued"
-    assert sum(m[key] for m in lines) > 0  # the checkpoints hold groups in flight / requeued prompts
-    if partial:
-        assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
-    if variant == "skip":
-        assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
+    assert sum(m["sampler/paused"] for m in lines) > 0  # the checkpoints hold groups in flight
+    assert sum(m["sampler/requeued"] for m in lines) > 0  # and requeued prompts
+    assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
+    assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
     cut = tmp_path / "cut"
+    ckpt = cut / "checkpoints"
     proc = subprocess.Popen(
         [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (cut / "checkpoints" / "step_00000002" / "COMPLETE").is_file():
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # no handler, no save: whatever step 3 had done is lost
+    _wait_for(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), proc, "step 2's checkpoint")
+    proc.send_signal(signal.SIGKILL)  # whatever step 3 had done is lost
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from step 2" in resumed.stderr
-    got = [comparable(m) for m in metrics(cut)]
-    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]  # each step once: lines past the checkpoint dropped
-    assert got == want
-    if variant == "skip":  # the record after step 4, as saved by both runs
 
-        def memory(run: Path) -> dict:
-            state = torch.load(run / "checkpoints" / "step_00000004" / "state" / "rank00000.pt", weights_only=False)
-            return state["trainer"]["loader"]["scheduler"]["memory"]
-
-        a, b = memory(full), memory(cut)
-        assert a["visits"].sum() > 0 and a.keys() == b.keys()
-        assert all(np.array_equal(a[k], b[k]) for k in a if k != "explore") and a["explore"] == b["explore"]
-        tool = Path(__file__).resolve().parent.parent / "tools" / "prompt_persistence.py"
-        shown = subprocess.run(
-            [sys.executable, str(tool), str(full / "checkpoints" / "step_00000004")], capture_output=True, text=True
-        )
-        assert shown.returncode == 0, shown.stderr
-        followed = int(sum(max(0, min(int(v), 4) - 1) for v in a["visits"]))  # visits with an earlier one in the ring
-        assert shown.stdout.startswith(f"{followed} visits after an earlier one (step >= 0, G = 4)")
-
-
-@pytest.mark.slow
-def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterrupted, tmp_path):
-    import signal
-    import time
-
-    cmd, env, lines, _ = uninterrupted("stream")
-    want = [comparable(m) for m in lines]
-    cut = tmp_path / "cut"
     proc = subprocess.Popen(
         [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0"],
         env=env,
@@ -489,24 +460,38 @@ def test_sigterm_saves_and_a_resumed_run_matches_the_uninterrupted_one(uninterru
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
-        time.sleep(0.2)
+    _wait_for(lambda: len(metrics(cut)) >= 3 if (cut / "metrics.jsonl").is_file() else False, proc, "step 3")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
-    assert "SIGTERM: saved" in out
+    assert "resumed from step 2" in err and "SIGTERM: saved" in out
     stopped_at = int(metrics(cut)[-1]["step"])
-    assert stopped_at < 4 and (cut / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
-    assert len(list((cut / "checkpoints").glob("step_*"))) == 1  # the signal's save only (save_every=0)
+    assert 3 <= stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000001", "step_00000002", f"step_{stopped_at:08d}"]
     assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
 
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from step {stopped_at}" in resumed.stderr
     got = [comparable(m) for m in metrics(cut)]
-    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0]
-    assert got == want  # step for step, the same as the run that was never interrupted
-    assert (cut / "FINISHED").read_text().strip() == "4"
+    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
+    assert got == want
+    assert (cut / "FINISHED").read_text().strip() == "5"
+
+    def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
+        state = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+        return state["trainer"]["loader"]["scheduler"]["memory"]
+
+    a, b = memory(full), memory(cut)
+    assert a["visits"].sum() > 0 and a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a if k != "explore") and a["explore"] == b["explore"]
+    tool = Path(__file__).resolve().parent.parent / "tools" / "prompt_persistence.py"
+    shown = subprocess.run(
+        [sys.executable, str(tool), str(full / "checkpoints" / "step_00000005")], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    followed = int(sum(max(0, min(int(v), 4) - 1) for v in a["visits"]))  # visits with an earlier one in the ring
+    assert shown.stdout.startswith(f"{followed} visits after an earlier one (step >= 0, G = 4)")
 
 
 @pytest.mark.slow

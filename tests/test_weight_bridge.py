@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_helpers import random_batch, run_worker, save_case, tiny_hf_model
+from megatron_helpers import Job, random_batch, result, run_jobs, run_worker, save_case, tiny_hf_model, wants_slow
+
+BUCKET = 70_000  # bytes: just over the embedding, so many buckets of a few tensors each
+LAYOUTS = {  # name: (family, tied, nproc, overrides)
+    "tp1": ("qwen2", False, 1, []),
+    "tp2": ("qwen2", False, 2, ["parallel.tp=2"]),
+    "pp2-tied": ("llama", True, 2, ["parallel.pp=2"]),
+    "pp2-bf16": ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 matrices next to fp32 norms
+}
 
 
-@pytest.mark.parametrize(
-    "family, tied, nproc, overrides",
-    [
-        pytest.param("qwen2", False, 1, [], id="tp1"),
-        pytest.param("qwen2", False, 2, ["parallel.tp=2"], id="tp2", marks=pytest.mark.slow),
-        pytest.param("llama", True, 2, ["parallel.pp=2"], id="pp2-tied", marks=pytest.mark.slow),
-        # bf16 matrices next to fp32 norms
-        pytest.param("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"], id="pp2-bf16", marks=pytest.mark.slow),
-    ],
-)
-def test_bridge_streams_the_hf_state_dict(tmp_path, family, tied, nproc, overrides):
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory) -> dict:
+    """Every sync of this file but the memory test's, one launch per world size: {name: result, or its failure}."""
+    root = tmp_path_factory.mktemp("runs")
+    jobs = {}
+    for name, (family, tied, nproc, overrides) in LAYOUTS.items():
+        case = save_case(tiny_hf_model(family, seed=9, vocab_size=250, tied=tied), random_batch(2, 8, 250), root / name)
+        jobs[name] = Job(nproc, case, ("--mode", "bridge", f"rollout.bucket_bytes={BUCKET}", *overrides), nproc > 1)
+    small = save_case(tiny_hf_model("qwen2", vocab_size=250), random_batch(2, 8, 250), root / "small-bucket")
+    jobs["small-bucket"] = Job(1, small, ("--mode", "bridge", "rollout.bucket_bytes=1000"))
+    return run_jobs(jobs, root, slow=wants_slow(request.config))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "tp1" else []) for n in LAYOUTS])
+def test_bridge_streams_the_hf_state_dict(ran, name):
+    family, tied = LAYOUTS[name][:2]
     model = tiny_hf_model(family, seed=9, vocab_size=250, tied=tied)
-    case = save_case(model, random_batch(2, 8, 250), tmp_path / "case")
-    bucket = 70_000  # bytes: just over the embedding, so many buckets of a few tensors each
-    got = run_worker(case, tmp_path / "out", nproc, "--mode", "bridge", f"rollout.bucket_bytes={bucket}", *overrides)
+    bucket = BUCKET
+    got = result(ran, name)
     want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert got["hf"].keys() == want.keys()
     for name, t in want.items():
@@ -32,10 +44,9 @@ def test_bridge_streams_the_hf_state_dict(tmp_path, family, tied, nproc, overrid
     assert got["sync"]["weight_sync/buckets"] == len(got["bucket_bytes"]) and got["sync"]["weight_sync/gb_per_s"] > 0
 
 
-def test_a_tensor_larger_than_a_bucket_is_a_clear_error(tmp_path):
-    case = save_case(tiny_hf_model("qwen2", vocab_size=250), random_batch(2, 8, 250), tmp_path / "case")
+def test_a_tensor_larger_than_a_bucket_is_a_clear_error(ran):
     with pytest.raises(AssertionError) as e:
-        run_worker(case, tmp_path / "out", 1, "--mode", "bridge", "rollout.bucket_bytes=1000")
+        result(ran, "small-bucket")
     assert (
         "tensor 'model.embed_tokens.weight' (64000 bytes) is larger than one bucket (rollout.bucket_bytes=1000)"
         in str(e.value)
