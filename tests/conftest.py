@@ -58,3 +58,22 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append(
                     ("seed", f"this test's seed: {value}; replay: pytest '{item.nodeid}' --seed {value}")
                 )
+
+
+# The longest files, longest first (benchmarks/RESULTS.md, "Where the suite's time goes"): `--dist loadfile` hands
+# whole files to whichever worker is free in collection order, so a long file collected last sets the floor.
+LONGEST_FILES = (
+    "test_trainer.py",
+    "test_slurm_cluster.py",
+    "test_preflight.py",
+    "test_convert.py",
+    "test_rollout_sync.py",
+    "test_fp8.py",
+    "test_tools_bench.py",
+    "test_reward_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order

@@ -605,21 +605,36 @@ def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "FINISHED").exists()
 
 
-@pytest.mark.slow
-def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    """Each mistake in this process (all fail before anything starts), --debug in one subprocess."""
+    import logging
+    import signal
+    import warnings
+
+    from megatron_dapo.train import main
+
     cases = {
         "seed=1": "error: config field model.hf_path is empty",  # no model given
         "optim.lr=fast": "optim.lr",
         f"model.hf_path={tmp_path / 'missing'}": str(tmp_path / "missing"),
     }
-    for override, message in cases.items():
-        proc = subprocess.run([*cmd, override], env=env, capture_output=True, text=True, timeout=300)
-        lines = [x for x in proc.stderr.splitlines() if x.strip() and " INFO " not in x]
-        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
-        assert lines[0].startswith("error: ") and message in lines[0], lines
-    proc = subprocess.run([*cmd, "--debug"], env=env, capture_output=True, text=True, timeout=300)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers)
+    try:
+        for override, message in cases.items():
+            with warnings.catch_warnings():  # main() sets the CLI's warning filters and logging
+                code = main([f"trainer.run_dir={tmp_path}", override])
+            lines = [x for x in capsys.readouterr().err.splitlines() if x.strip() and " INFO " not in x]
+            assert code == 1 and len(lines) == 1, lines
+            assert lines[0].startswith("error: ") and message in lines[0], lines
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+    cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}", "--debug"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
 
 
