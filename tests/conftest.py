@@ -1,6 +1,10 @@
-"""Test-session setup that must happen before any test module imports triton or torch, and the `seed` fixture."""
+"""Test-session setup that must happen before any test module imports triton or torch, the `seed` fixture, and the
+tiny model every test run builds once."""
 
+import fcntl
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -71,9 +75,42 @@ LONGEST_FILES = (
     "test_fp8.py",
     "test_tools_bench.py",
     "test_reward_fuzz.py",
+    "test_eval.py",
+    "test_model_parallel.py",  # the longest of make test-fast from here on
+    "test_rollout.py",
+    "test_kernel.py",
 )
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """tiny_qwen2(seed=0, copy_to=None) -> the directory of megatron_dapo.model.tiny's Qwen2 with that seed.
+
+    Built once per test run and shared by the xdist workers (a file-locked cache under the run's temp root); read
+    it only, or pass copy_to for a copy of one's own to change.
+    """
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny_models"
+    root.mkdir(exist_ok=True)
+
+    def get(seed: int = 0, copy_to: Path | None = None) -> Path:
+        from megatron_dapo.model.tiny import build_tiny_qwen2
+
+        out, done = root / f"qwen2_seed{seed}", root / f"qwen2_seed{seed}.done"
+        with open(root / f"qwen2_seed{seed}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the build, then reads it
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)  # a build that died half way
+                build_tiny_qwen2(out, seed=seed)
+                done.touch()
+        if copy_to is None:
+            return out
+        shutil.copytree(out, copy_to)
+        return Path(copy_to)
+
+    return get

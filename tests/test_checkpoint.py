@@ -15,13 +15,14 @@ def ran(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("runs")
     case = save_case(tiny_hf_model("qwen2", seed=5, vocab_size=250), random_batch(8, 16, 250, seed=4), root / "c")
     jobs = {
-        name: Job(nproc, case, ("--mode", "resume", "optim.warmup_steps=5", *overrides), slow=nproc > 1)
+        name: Job(nproc, case, ("--mode", "resume", "optim.warmup_steps=5", *overrides), slow=True)
         for name, (nproc, overrides) in LAYOUTS.items()
     }
     return run_jobs(jobs, root, slow=wants_slow(request.config))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "single" else []) for n in LAYOUTS])
+@pytest.mark.slow  # ~20 s for the single process: several policies, checkpoints and a damaged one
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoint(ran, name):
     got = result(ran, name)
     a, b = got["metrics_a"], got["metrics_b"]

@@ -175,6 +175,7 @@ def training_run(hf_models, workdir) -> tuple[Path, dict[str, torch.Tensor]]:
     return run, trained
 
 
+@pytest.mark.slow
 def test_a_training_run_converts_to_the_weights_its_checkpoint_holds(training_run, hf_models, workdir):
     run, trained = training_run
     src = hf_models["qwen2"][0]

@@ -26,7 +26,6 @@ import megatron_dapo.evaluate as eval_tool  # noqa: E402
 from megatron_dapo import hf_export  # noqa: E402
 from megatron_dapo.config import load_config, to_yaml  # noqa: E402
 from megatron_dapo.convert.common import ConvertError  # noqa: E402
-from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 
 QUESTIONS = ["What is 12 + 30?", "Compute 7 * 6.", "Add 5 and 9.", "What is 3 * 4?", "Is 7 prime?", "Halve 18."]
 RIGHT = (0, 2, 3)  # these problems' ground truth is taken from the greedy text: the rest can never match
@@ -46,8 +45,8 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(work) -> Path:
-    return build_tiny_qwen2(work / "hf")
+def model_dir(tiny_qwen2) -> Path:
+    return tiny_qwen2()
 
 
 @pytest.fixture(scope="module")

@@ -239,6 +239,7 @@ def fp8_friendly_qwen2(seed: int):
         return Qwen2ForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 def test_a_quantized_sync_sends_what_the_engine_asks_for(seed, tmp_path, monkeypatch):
     """The Megatron bridge's FP8 sync against what an FP8 engine asks for and against vLLM's own loader. (The
     fp8_rounded format goes through the same encode(): the CPU engine and trainer tests run it end to end.)"""
@@ -298,14 +299,13 @@ def test_a_quantized_sync_sends_what_the_engine_asks_for(seed, tmp_path, monkeyp
         assert same(state[name][:rows], hf[name].bfloat16()), name
 
 
-def test_the_cpu_engine_generates_with_exactly_the_fp8_rounded_weights(tmp_path):
+def test_the_cpu_engine_generates_with_exactly_the_fp8_rounded_weights(tiny_qwen2):
     pytest.importorskip("vllm")
     from rollout_helpers import hf_logprobs, load_hf_model
 
-    from megatron_dapo.model.tiny import build_tiny_qwen2
     from megatron_dapo.rollout import VLLMEngine
 
-    model_dir = build_tiny_qwen2(tmp_path / "tiny", seed=3)  # a fixed model: the last assertion is measured on it
+    model_dir = tiny_qwen2(seed=3)  # a fixed model: the last assertion is measured on it
     hf = load_hf_model(model_dir)
     state = hf.state_dict()
     eng = VLLMEngine(
@@ -329,14 +329,13 @@ def test_the_cpu_engine_generates_with_exactly_the_fp8_rounded_weights(tmp_path)
     assert max(to_original) > 1e-3  # and the rounding is really there: the unrounded model is measurably off
 
 
-def test_the_gpu_engine_starts_quantized_and_reloads_fp8_weights_with_their_scales(tmp_path, monkeypatch):
+def test_the_gpu_engine_starts_quantized_and_reloads_fp8_weights_with_their_scales(tiny_qwen2, monkeypatch):
     from rollout_helpers import FakeLLM, load_hf_model
 
     import megatron_dapo.rollout.vllm_engine as ve
-    from megatron_dapo.model.tiny import build_tiny_qwen2
     from megatron_dapo.rollout.quantize import FP8_CONFIG
 
-    model_dir = build_tiny_qwen2(tmp_path / "tiny")
+    model_dir = tiny_qwen2()
     state = load_hf_model(model_dir).state_dict()
     started = {}
     monkeypatch.setattr(ve, "has_cuda", lambda: True)

@@ -25,7 +25,6 @@ from rollout_helpers import (  # noqa: E402
     perturbed_state_dict,
 )
 
-from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 from megatron_dapo.rollout import RolloutEngine, VLLMEngine  # noqa: E402
 from megatron_dapo.rollout.engine import new_stats  # noqa: E402
 from megatron_dapo.types import Response  # noqa: E402
@@ -34,8 +33,8 @@ ATOL = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+def model_dir(tiny_qwen2):
+    return tiny_qwen2()
 
 
 @pytest.fixture(scope="module")

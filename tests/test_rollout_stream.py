@@ -18,7 +18,6 @@ pytest.importorskip("vllm")
 
 from rollout_helpers import hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
 
-from megatron_dapo.model.tiny import build_tiny_qwen2  # noqa: E402
 from megatron_dapo.rollout import GroupRequest, StreamingEngine, VLLMEngine, continuation_seed  # noqa: E402
 from megatron_dapo.types import Response  # noqa: E402
 
@@ -28,8 +27,8 @@ MAX_STEPS = 500  # a stream that has not drained by then is stuck
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_stream"))
+def model_dir(tiny_qwen2):
+    return tiny_qwen2()
 
 
 @pytest.fixture(scope="module")

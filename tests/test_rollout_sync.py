@@ -13,13 +13,11 @@ import torch
 from megatron_helpers import random_batch, run_worker, save_case
 from rollout_helpers import load_hf_model
 
-from megatron_dapo.model.tiny import build_tiny_qwen2
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
-def test_bridge_sync_into_vllm_matches_megatron(tmp_path, overrides):
-    case = build_tiny_qwen2(tmp_path / "case", seed=1)
+def test_bridge_sync_into_vllm_matches_megatron(tmp_path, tiny_qwen2, overrides):
+    case = tiny_qwen2(seed=1, copy_to=tmp_path / "case")
     model = load_hf_model(case)
     save_case(model, random_batch(4, 10, model.config.vocab_size, seed=3), case)
     got = run_worker(

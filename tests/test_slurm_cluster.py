@@ -19,7 +19,6 @@ import pytest
 from run_helpers import comparable, metrics, python_path
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.model.tiny import build_tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -125,10 +124,10 @@ def batch_log(run: Path, job_id: str, attempt: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
+def tiny(tmp_path_factory, tiny_qwen2) -> dict:
     """The tiny model and addition problems, and the training variables and overrides of a 6-step CPU run."""
     root = tmp_path_factory.mktemp("tiny")
-    model = build_tiny_qwen2(root / "model", seed=0)
+    model = tiny_qwen2()
     data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
     variables = {
         "MODEL_PATH": str(model),

@@ -19,7 +19,6 @@ from run_helpers import comparable, metrics, python_path
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.model.tiny import build_tiny_qwen2
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.trainer import minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
@@ -130,14 +129,14 @@ def _wandb_env(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def two_steps(tmp_path_factory):
+def two_steps(tmp_path_factory, tiny_qwen2):
     """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2.
 
     Logs to Weights & Biases too, offline (wandb's files under the run directory and the fixture's folder).
     Returns its overrides (without trainer.run_dir or the W&B project), its run directory and the finished process.
     """
     root = tmp_path_factory.mktemp("two_steps")
-    model = build_tiny_qwen2(root / "model", seed=0)
+    model = tiny_qwen2()
     data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
     val = write_jsonl(root / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
     overrides = [
@@ -179,6 +178,7 @@ def _wandb_history(run_dir: Path, env: dict[str, str]) -> list[dict]:
     return [{k: v for k, v in h["item"].items() if k not in ("_runtime", "_timestamp")} for h in rows]
 
 
+@pytest.mark.slow
 def test_weights_and_biases_logs_every_metrics_line_at_its_step(two_steps):
     """trainer.wandb_project set: the run's W&B history (offline) holds metrics.jsonl's lines, each at its step."""
     _, run, _ = two_steps
@@ -217,6 +217,7 @@ def test_metric_sinks_drop_what_follows_the_resumed_step_and_log_each_step_to_wa
     assert _wandb_history(run, env) == [{"_step": 3, **resumed[0]}, {"_step": 4, **resumed[1]}]
 
 
+@pytest.mark.slow
 def test_two_rollout_steps_end_to_end(two_steps):
     _, run, proc = two_steps
     lines = metrics(run)
@@ -237,6 +238,7 @@ def test_two_rollout_steps_end_to_end(two_steps):
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
 
 
+@pytest.mark.slow
 def test_fp8_rollouts_turn_truncated_is_on_and_log_the_mismatch(two_steps, tmp_path):
     """rollout.quantization=fp8 on CPU: the engine generates with FP8-rounded weights, Megatron trains in fp32."""
     overrides, _, _ = two_steps
@@ -360,10 +362,10 @@ def _ends_early(model_dir: Path) -> Path:
     return model_dir
 
 
-def _informative_at_random(root: Path) -> list[str]:
+def _informative_at_random(root: Path, tiny_qwen2) -> list[str]:
     """Overrides for a run on the tiny model (ends early, see _ends_early) whose groups are informative at random:
     a verifier right for a quarter of all texts, groups of 4, batches of 4, decisions every 2 engine steps."""
-    model = _ends_early(build_tiny_qwen2(root / "model", seed=0))
+    model = _ends_early(tiny_qwen2(copy_to=root / "model"))
     data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
     return [
         f"model.hf_path={model}",
@@ -380,7 +382,7 @@ def _informative_at_random(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, tiny_qwen2):
     """(cmd, env, metrics lines, run_dir) of a 5-step run with a checkpoint every step, whose checkpoints hold every
     kind of sampler state at once.
 
@@ -391,7 +393,7 @@ def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
     rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
     common = [
-        *_informative_at_random(root),
+        *_informative_at_random(root, tiny_qwen2),
         f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]",
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
@@ -495,12 +497,12 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
 
 
 @pytest.mark.slow
-def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path):
+def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
     """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
     schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
     generate reach it as tensors."""
     overrides = [
-        *_informative_at_random(tmp_path),
+        *_informative_at_random(tmp_path, tiny_qwen2),
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
         "sampler.engine_sequences=40",
@@ -577,6 +579,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_exits_at_once_with_one_line(two
     assert not (bad / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
     """A signal while the trainer starts (its policy and engine up, held where the reward pool loads the verifier,
     see reward_helpers:holds_start_up) leaves at once: status 1, no step, nothing saved, nothing left running."""
