@@ -171,22 +171,27 @@ def train_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int = 1,
 
 @pytest.fixture(scope="module")
 def finished(cluster, tiny) -> tuple[Path, str]:
-    """An uninterrupted job: (run directory, job id)."""
+    """An uninterrupted job on two nodes (two slurmd on this machine): (run directory, job id)."""
     run = tiny["root"] / "jobs" / "full"
-    job_id = train_job(cluster, tiny, run)
+    job_id = train_job(cluster, tiny, run, nodes=2)
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert info["JobState"] == "COMPLETED", (info, (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()[-3000:])
     return run, job_id
 
 
 def test_a_job_runs_to_completed(cluster, finished):
+    """A 2-node job, one torchrun per node, data parallel 2 over gloo, runs to its end."""
     run, job_id = finished
     info = job(cluster, job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0")
+    assert info["NodeList"] == f"{HOST},{HOST}-2", info
     assert (run / "FINISHED").read_text().strip() == str(STEPS)
     assert [m["step"] for m in metrics(run)] == [float(s) for s in range(1, STEPS + 1)]
     assert f"run finished at step {STEPS}" in batch_log(run, job_id)
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    logs = [(run / "logs" / job_id / "attempt_0" / f"node{n}.log").read_text() for n in (0, 1)]
+    assert all("[default0]:" in log for log in logs)  # one agent per node, each with its one worker
+    assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
 
 
 def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, nodes: int = 1) -> None:
@@ -206,19 +211,11 @@ def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, nodes: i
     assert got == [comparable(m) for m in metrics(reference)]
 
 
-def test_two_nodes_one_process_each_and_a_usr1_requeue(cluster, tiny):
-    """Two slurmd on this machine: a 2-node job, one torchrun per node, data parallel 2 over gloo; USR1 after its
-    first step saves and requeues it, and the next attempt resumes step for step (sbatch's one resume end to end:
-    one node would prove nothing more, and tests/test_slurm.py checks the batch script's signal logic alone)."""
-    full = tiny["root"] / "jobs" / "two_nodes_full"
-    job_id = train_job(cluster, tiny, full, nodes=2)
-    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
-    assert info["JobState"] == "COMPLETED" and info["NodeList"] == f"{HOST},{HOST}-2", info
-    assert [m["step"] for m in metrics(full)] == [float(s) for s in range(1, STEPS + 1)]
-    logs = [(full / "logs" / job_id / "attempt_0" / f"node{n}.log").read_text() for n in (0, 1)]
-    assert all("[default0]:" in log for log in logs)  # one agent per node, each with its one worker
-    assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
-    usr1_requeue(cluster, tiny, tiny["root"] / "jobs" / "two_nodes_usr1", reference=full, nodes=2)
+def test_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, finished):
+    """USR1 after the first step of a 2-node job saves and requeues it, and the next attempt resumes step for step
+    (sbatch's one resume end to end: one node would prove nothing more, and tests/test_slurm.py checks the batch
+    script's signal logic alone)."""
+    usr1_requeue(cluster, tiny, tiny["root"] / "jobs" / "two_nodes_usr1", reference=finished[0], nodes=2)
 
 
 def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):
