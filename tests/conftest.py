@@ -69,11 +69,13 @@ def pytest_runtest_makereport(item, call):
 LONGEST_FILES = (
     "test_trainer.py",
     "test_slurm_cluster.py",
-    "test_preflight.py",
     "test_convert.py",
+    "test_preflight.py",
     "test_rollout_sync.py",
     "test_fp8.py",
+    "test_smollm2.py",
     "test_tools_bench.py",
+    "test_demo.py",
     "test_reward_fuzz.py",
     "test_eval.py",
     "test_model_parallel.py",  # the longest of make test-fast from here on

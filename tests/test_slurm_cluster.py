@@ -30,7 +30,7 @@ pytestmark = [
     ),
     pytest.mark.slow,
 ]
-STEPS = 6
+STEPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def batch_log(run: Path, job_id: str, attempt: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_qwen2) -> dict:
-    """The tiny model and addition problems, and the training variables and overrides of a 6-step CPU run."""
+    """The tiny model and addition problems, and the training variables and overrides of a STEPS-step CPU run."""
     root = tmp_path_factory.mktemp("tiny")
     model = tiny_qwen2()
     data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
