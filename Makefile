@@ -21,10 +21,11 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # two workers, one test file each at a time (a file's module fixtures are built once); tests start their
-# own subprocesses, so a worker is mostly waiting on them and two fit two cores
+# own subprocesses, so a worker is mostly waiting on them and two fit two cores. Files go out in collection order,
+# the longest first (tests/conftest.py LONGEST_FILES): xdist would otherwise reorder them by test count
 # PYTEST_ARGS: more pytest options, e.g. a shuffled order within each file (the same seed on both workers):
 #   make test-fast PYTEST_ARGS="--random-order-bucket=module --random-order-seed=1234"
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test: $(STAMP) system-packages
 	$(PYTEST) tests
@@ -43,7 +44,7 @@ COVERAGE_DIR := $(CURDIR)/runs/coverage
 coverage: $(STAMP) system-packages
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
 	COVERAGE_FILE=$(COVERAGE_DIR)/.coverage COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage run -m pytest -q -n 2 \
-		--dist loadfile $(PYTEST_ARGS) tests; status=$$?; cd $(COVERAGE_DIR) && \
+		--dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests; status=$$?; cd $(COVERAGE_DIR) && \
 		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage combine -q && \
 		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage report > report.txt; tail -1 report.txt; exit $$status
 

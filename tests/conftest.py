@@ -64,8 +64,9 @@ def pytest_runtest_makereport(item, call):
                 )
 
 
-# The longest files, longest first (benchmarks/RESULTS.md, "Where the suite's time goes"): `--dist loadfile` hands
-# whole files to whichever worker is free in collection order, so a long file collected last sets the floor.
+# The longest files, longest first (benchmarks/RESULTS.md, the suite's durations): `--dist loadfile
+# --no-loadscope-reorder` (the Makefile) hands whole files to whichever worker is free in collection order, so a long
+# file collected last would set the floor.
 LONGEST_FILES = (
     "test_trainer.py",
     "test_slurm_cluster.py",
