@@ -45,8 +45,8 @@ coverage: $(STAMP) system-packages
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
 	COVERAGE_FILE=$(COVERAGE_DIR)/.coverage COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage run -m pytest -q -n 2 \
 		--dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests; status=$$?; cd $(COVERAGE_DIR) && \
-		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage combine -q && \
-		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(BIN)/coverage report > report.txt; tail -1 report.txt; exit $$status
+		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(abspath $(BIN))/coverage combine -q && \
+		COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(abspath $(BIN))/coverage report > report.txt; tail -1 report.txt; exit $$status
 
 # Debian packages some tests need: a private two-node Slurm cluster on this machine for the sbatch scripts
 # (tests/test_slurm_cluster.py, tests/slurm/cluster.sh) and shellcheck for the scripts' lint (tests/test_slurm.py).
