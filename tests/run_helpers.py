@@ -1,9 +1,12 @@
-"""A training run's metrics as the tests compare them (tests/test_trainer.py, tests/test_slurm_cluster.py)."""
+"""A training run's metrics as the tests compare them, and waiting for a run to get somewhere (tests/test_trainer.py,
+tests/test_slurm_cluster.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 
 DETERMINISTIC = ("reward/", "sampler/", "skip/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
@@ -24,3 +27,16 @@ def python_path(*dirs: Path | str) -> str:
     """PYTHONPATH with dirs in front of the one this process has: a subprocess keeps whatever the test run put first
     (make mutants puts its mutated copy of the package there)."""
     return os.pathsep.join([*(str(d) for d in dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def wait_until(predicate, timeout: float = 300, what: str = "", proc: subprocess.Popen | None = None) -> None:
+    """Poll predicate until it holds; fails after timeout, or at once when proc (the run it waits on) has ended."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        if predicate():
+            return
+        time.sleep(0.05)
+    if predicate():
+        return
+    ended = "" if proc is None or proc.poll() is None else f": the run ended first (exit {proc.poll()})"
+    raise AssertionError(f"timed out waiting for {what}{ended}")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import comparable, metrics, python_path
+from run_helpers import comparable, metrics, python_path, wait_until
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 
@@ -108,15 +108,6 @@ def wait_for(env: dict, job_id: str, states: set[str], timeout: float = 600) -> 
             return info
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {info}")
-
-
-def wait_until(predicate, timeout: float = 300, what: str = "") -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def batch_log(run: Path, job_id: str, attempt: int = 0) -> str:

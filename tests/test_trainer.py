@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_helpers import comparable, metrics, python_path
+from run_helpers import comparable, metrics, python_path, wait_until
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
@@ -407,15 +407,6 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
     return cmd, env, lines, full
 
 
-def _wait_for(path_ready, proc: subprocess.Popen, what: str) -> None:
-    import time
-
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not path_ready():
-        time.sleep(0.05)
-    assert path_ready(), f"{what}: the run ended first (exit {proc.poll()})"
-
-
 @pytest.mark.slow
 def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
@@ -439,7 +430,7 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
     proc = subprocess.Popen(
         [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    _wait_for(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), proc, "step 2's checkpoint")
+    wait_until(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), what="step 2's checkpoint", proc=proc)
     proc.send_signal(signal.SIGKILL)  # whatever step 3 had done is lost
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
@@ -451,7 +442,7 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(lambda: len(metrics(cut)) >= 3 if (cut / "metrics.jsonl").is_file() else False, proc, "step 3")
+    wait_until(lambda: len(metrics(cut)) >= 3, what="step 3", proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
