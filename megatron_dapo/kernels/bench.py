@@ -9,8 +9,9 @@ device-to-device copy bandwidth (megatron_dapo.model.perf.copy_bandwidth_gbs) me
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -36,11 +37,17 @@ def make_inputs(n: int, seq_len: int, dtype: torch.dtype, device, per_token_adv:
 # ----------------------------------------------------------------------------- equality check
 
 
-def equality_check(device, dtypes=(torch.float32, torch.bfloat16), b: int = 8, t: int = 4099) -> bool:
-    """Kernel vs reference at a small size: loss, stats, both gradient paths. Prints one line each."""
+def equality_check(
+    device, dtypes=(torch.float32, torch.bfloat16), b: int = 8, t: int = 4099, seed: Optional[int] = None
+) -> bool:
+    """Kernel vs reference at a small size: loss, stats, both gradient paths. Prints one line each, with the seed of
+    the random inputs (fresh unless given) so that a mismatch can be replayed."""
     from megatron_dapo.algorithm import STAT_KEYS, policy_loss
     from megatron_dapo.kernels import fused_policy_loss
 
+    seed = int.from_bytes(os.urandom(4), "little") >> 1 if seed is None else seed
+    torch.manual_seed(seed)
+    print(f"  inputs: seed {seed}")
     ok = True
     for dtype in dtypes:
         logp, old, adv, mask, isw = make_inputs(b * t, t, dtype, device, per_token_adv=False, is_weight=True, valid=0.7)

@@ -197,7 +197,8 @@ def check_kernel_equality(ctx: dict) -> Result:
         ok = equality_check("cuda" if cuda else "cpu", b=b, t=t)
     lines = [line.strip() for line in out.getvalue().splitlines() if line.strip()]
     n = {"mode": "compiled" if cuda else "interpreter", "triton": triton.__version__, "tokens": b * t}
-    n["paths_ok"] = f"{sum(line.endswith('ok') for line in lines)}/{len(lines)}"
+    paths = [line for line in lines if line.startswith("equality")]
+    n["paths_ok"] = f"{sum(line.endswith('ok') for line in paths)}/{len(paths)}"
     return Result(ok, n, "" if ok else "kernel and reference differ: " + "; ".join(lines), details=lines)
 
 
