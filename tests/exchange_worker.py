@@ -44,7 +44,7 @@ def meta(key: int) -> GroupMeta:
         rewards=[0.5 * j - 0.125 for j in range(G)],
         truncated=[j == 2 for j in range(G)],
         informative=key % 3 != 0,
-        version_tokens=[sum(lengths) - 1, 1],
+        version_tokens=[sum(lengths) - 2, 1, 1] if key % 2 else [sum(lengths) - 1, 1],  # rank 1's rows are wider
         reward_timeouts=key % 2,
         reward_errors=0,
     )
@@ -55,7 +55,7 @@ def exchange(comm: Comm) -> dict:
     rank = comm.rank
     keys = range(8)
     mine = [meta(k) for k in keys if k % 2 == rank]
-    metas = gather_metas(comm, mine, G, max_staleness=1)
+    metas = gather_metas(comm, mine, G)
     stopped = gather_stopped(comm, {10 + rank: Stopped(5 + rank, 2, None if rank else 7)})
     local = {k: [response(k, j) for j in range(G)] for k in keys if k % 2 == rank}
     # rank r trains the samples whose (key + j) % 2 == r: half its own, half the other rank's

@@ -7,6 +7,7 @@ so long responses finish late. Responses are real "Answer: N" text scored by the
 from __future__ import annotations
 
 import io
+import math
 import random
 import statistics
 from collections import Counter
@@ -442,41 +443,52 @@ def long_tailed(p: int, j: int, seed: int) -> tuple[int, bool]:
     return length, r.random() < (0.7 if length < 20 else 0.3)
 
 
-def _trained_lengths(pool, mode: str, seed: int, steps: int = 40, scheduler=None, max_staleness: int = 1):
-    """Mean response length of each group trained in `steps` steps (engines run every group at once)."""
-    kw = {"mode": mode, "max_staleness": max_staleness, "seed": seed}
+def _trained_lengths(pool, mode: str, seed: int, steps: int = 80, scheduler=None, batch: int = 6, **kw) -> list[int]:
+    """The response length of every sample of every group trained in `steps` steps of 6 groups (engines run every
+    group at once; partial rollout keeps 12 groups generating). kw: sampler fields (max_staleness, drop_stale)."""
+    kw = {"mode": mode, "seed": seed} | kw
     if mode == "partial":
         kw |= {"mode": "stream", "partial_rollout": True, "engine_sequences": 12 * G}
-    ds = loader(make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=6, gen_batch_size=12, **kw)
+    ds = loader(
+        make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=batch, gen_batch_size=2 * batch, **kw
+    )
     if scheduler is not None:
         ds.scheduler = scheduler(ds.scheduler.cfg, 3000, 1, group_size=G, seed=seed)
-    return [statistics.mean(g.lengths) for _ in range(steps) for g in ds.next_batch().groups]
+    return [n for _ in range(steps) for g in ds.next_batch().groups for n in g.lengths]
 
 
-def test_no_length_bias_stream_and_partial_match_fill_and_first_finished_does_not(pool):
-    """Over 3 x 40 steps of 6 groups: fill sees every round to its end, so its trained groups are the unbiased
-    reference; stream and partial rollout must match it, and first-finished-with-abort (which re-samples a long
-    group until it comes out short) must not. Partial rollout's staleness bound is set so the long tail fits in it:
-    then no started group is dropped, and none is kept or lost for its length. (At max_staleness 4 here the bound
-    drops ~3% of the tokens, the longest groups, and the mean falls to ~18.7: the bias is the bound's alone.)"""
-    means = {"fill": [], "stream": [], "partial": [], "first_finished": []}
-    for seed in range(3):
-        fill = _trained_lengths(pool, "fill", seed)
-        stream = _trained_lengths(pool, "stream", seed)
-        assert stream[:6] == fill[:6]  # the same first batch, exactly
-        means["fill"].append(statistics.mean(fill))
-        means["stream"].append(statistics.mean(stream))
-        means["partial"].append(statistics.mean(_trained_lengths(pool, "partial", seed, max_staleness=8)))
-        naive = _trained_lengths(pool, "partial", seed, scheduler=FirstFinished)
-        means["first_finished"].append(statistics.mean(naive))
-    m = {k: statistics.mean(v) for k, v in means.items()}
-    print("mean trained response length:", {k: round(v, 2) for k, v in m.items()})  # seen: 21.7 / 21.8 / 21.3 / 12.4
-    assert 17 < m["fill"] < 26
-    assert abs(m["stream"] - m["fill"]) < 1.0 and abs(m["partial"] - m["fill"]) < 1.5
-    assert m["first_finished"] < m["fill"] - 4
+def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
+    """Over 80 steps of 6 groups (1920 responses each): fill sees every round to its end, so its trained responses
+    are the unbiased reference, and stream and partial rollout at eta = 1 and 2 must be drawn from the same length
+    distribution (two-sample Kolmogorov-Smirnov). Negative controls, which the same test must reject: the old
+    drop rule at max_staleness=1 (it drops the longest groups) and first-finished-with-abort (which re-samples a
+    long group until it comes out short)."""
+    from scipy.stats import ks_2samp
+
+    fill = _trained_lengths(pool, "fill", seed)
+    stream = _trained_lengths(pool, "stream", seed)
+    assert stream[: 6 * G] == fill[: 6 * G]  # the same first batch, exactly
+    runs = {
+        "stream": stream,
+        "partial eta=1": _trained_lengths(pool, "partial", seed),
+        "partial eta=2": _trained_lengths(pool, "partial", seed, max_staleness=2),
+        "drop_stale 1": _trained_lengths(pool, "partial", seed, drop_stale=True),
+        "first_finished": _trained_lengths(pool, "partial", seed, scheduler=FirstFinished),
+    }
+    p = {name: ks_2samp(fill, lengths).pvalue for name, lengths in runs.items()}
+    mean = {name: statistics.mean(lengths) for name, lengths in runs.items()} | {"fill": statistics.mean(fill)}
+    print("KS p against fill:", {k: f"{v:.2g}" for k, v in p.items()})
+    print("mean trained response length:", {k: round(v, 1) for k, v in mean.items()})
+    assert 17 < mean["fill"] < 26
+    for name in ("stream", "partial eta=1", "partial eta=2"):
+        assert p[name] > 1e-4, (name, p, mean)
+    for name in ("drop_stale 1", "first_finished"):
+        assert p[name] < 1e-6 and mean[name] < mean["fill"] - 2, (name, p, mean)
 
 
 def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
+    """sampler.drop_stale (the rule before admission): every trained token at most max_staleness old, the groups
+    that cannot make it dropped and their prompts requeued."""
     # a few very long groups: they cannot finish within the one extra step that max_staleness=1 allows
     script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
     engine = ScriptedEngine(script, capacity=12)
@@ -487,6 +499,7 @@ def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
         mode="stream",
         partial_rollout=True,
         max_staleness=1,
+        drop_stale=True,
         train_batch_size=4,
         engine_sequences=6 * G,
         max_response_length=120,
@@ -499,8 +512,9 @@ def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
         for g in b.groups:
             for r in b.local[g.key]:
                 assert all(0 <= v - x <= 1 for x in r.versions)  # every trained token at most 1 version old
-        assert set(k for k in b.stats if k.startswith("staleness/")) == {"staleness/tokens_0", "staleness/tokens_1"}
+        assert {k for k in b.stats if k.startswith("staleness/tokens_")} == {"staleness/tokens_0", "staleness/tokens_1"}
         assert b.stats["staleness/tokens_0"] + b.stats["staleness/tokens_1"] == sum(g.tokens for g in b.groups)
+        assert b.stats["staleness/max"] <= 1
         dropped += b.stats["tokens/wasted"] + b.stats["tokens/wasted_earlier"]
         trained |= {g.key for g in b.groups}
     assert dropped > 0  # the 90-token groups were dropped, not trained stale
@@ -515,6 +529,93 @@ def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
     ]
     assert any(p % 5 == 0 for key, p in submitted if key not in trained | pending)  # the 90-token ones among them
     assert not lost
+
+
+def test_admission_never_drops_a_started_group_and_reports_its_staleness(pool):
+    """The default: the same long groups as above are continued under each new version until they finish and are
+    trained, nothing generated is thrown away, and the staleness metrics say how old the trained tokens were."""
+    script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
+    engine = ScriptedEngine(script, capacity=12)
+    ds = loader(
+        make_dataset(100),
+        engine,
+        pool,
+        mode="stream",
+        partial_rollout=True,
+        train_batch_size=4,
+        engine_sequences=6 * G,
+        max_response_length=120,
+    )
+    trained, oldest = {}, 0
+    for _ in range(12):
+        b = ds.next_batch()
+        v = ds.version - 1
+        assert b.stats["tokens/wasted"] == b.stats["tokens/wasted_earlier"] == 0
+        ages = [v - x for g in b.groups for r in b.local[g.key] for x in r.versions]
+        hist = Counter(ages)
+        assert b.stats["staleness/max"] == max(ages)
+        assert all(b.stats[f"staleness/tokens_{k}"] == hist[k] for k in range(max(ages) + 1))
+        ranked = sorted(ages)
+        assert b.stats["staleness/p99"] == ranked[math.ceil(0.99 * len(ranked)) - 1]
+        oldest = max(oldest, max(ages))
+        trained |= {g.key: g.index for g in b.groups}
+    assert oldest >= 2  # the 90-token groups: trained, several versions after they started
+    assert any(i % 5 == 0 for i in trained.values())
+    # every group is informative here: one neither trained nor still pending never started (wasted is 0 above) and
+    # its prompt came back
+    pending = {p.key for p in ds.scheduler.paused} | {g.key for g in ds.scheduler.carry}
+    submitted = engine.submitted
+    lost = [
+        (key, p)
+        for n, (key, p) in enumerate(submitted)
+        if key not in trained
+        and key not in pending
+        and p not in [q for _, q in submitted[n + 1 :]] + ds.scheduler.queue
+    ]
+    assert not lost
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_admission_keeps_engines_busy_at_a_low_informative_fraction_and_holds_its_bound(pool, seed, eta):
+    """About 1 group in 4 informative: running groups count as the estimated fraction, so (1 + eta) batches ahead
+    allow ~4 (1 + eta) B groups to run, not (1 + eta) B; and at every decision the bound holds."""
+    rng = random.Random(seed)
+    informative = {i: rng.random() < 0.25 for i in range(3000)}
+    script = correct_first(lambda i: 2 if informative[i] else 0, length=lambda i, j: 20 + (i * 7 + j * 3) % 41)
+    engine = ScriptedEngine(script)
+    B = 4
+    ds = loader(
+        make_dataset(3000),
+        engine,
+        pool,
+        mode="stream",
+        partial_rollout=True,
+        max_staleness=eta,
+        train_batch_size=B,
+        engine_sequences=80 * G,
+        max_gen_batches=0,
+        seed=rng.randrange(1000),
+    )
+    sched = ds.scheduler
+    plan = sched.plan
+
+    def checked_plan():  # the bound is on starts: whenever groups start, with the estimate they started under
+        out = plan()
+        st = sched._step
+        ahead = len(st.batch) + len(st.surplus) + len(sched.carry)
+        if out:
+            assert ahead + sched._informative_estimate() * len(sched.flight) <= (1 + eta) * B + 1e-9
+        return out
+
+    sched.plan = checked_plan
+    flights = []
+    for _ in range(15):
+        b = ds.next_batch()
+        flights.append(b.stats["sampler/in_flight_max"])
+    busy = engine.stats["stream_busy_steps"] / engine.stats["stream_steps"]
+    print(f"eta={eta}: engines busy {busy:.3f} of their steps, groups in flight at most {max(flights)}")
+    assert busy > 0.95  # idle only while finished groups wait a tick to be scored (eta = 0 starts nothing then)
+    assert statistics.median(flights) >= 0.6 * (1 + eta) * B / 0.25  # a mutant counting them whole gets (1 + eta) B
 
 
 def test_paused_groups_continue_with_their_tokens_and_versions(pool):
@@ -598,14 +699,18 @@ def test_shortfall_error_or_train(pool):
         load_config(overrides=["sampler.on_shortfall=skip"])
 
 
-def test_partial_rollout_needs_stream_staleness_and_truncated_is():
+def test_partial_rollout_needs_stream_and_truncated_is_and_drop_stale_a_staleness():
     with pytest.raises(ConfigError, match="algorithm.tis_cap"):
         load_config(overrides=["sampler.partial_rollout=true"])
     with pytest.raises(ConfigError, match="sampler.partial_rollout=True: expected sampler.mode=stream"):
         load_config(overrides=["sampler.partial_rollout=true", "sampler.mode=fill", "algorithm.tis_cap=2"])
+    with pytest.raises(ConfigError, match="sampler.drop_stale=True: expected sampler.partial_rollout=true"):
+        load_config(overrides=["sampler.drop_stale=true"])
+    pr = ["sampler.partial_rollout=true", "algorithm.tis_cap=2"]
     with pytest.raises(ConfigError, match="sampler.max_staleness=0"):
-        load_config(overrides=["sampler.partial_rollout=true", "sampler.max_staleness=0", "algorithm.tis_cap=2"])
-    load_config(overrides=["sampler.partial_rollout=true", "algorithm.tis_cap=2"])
+        load_config(overrides=[*pr, "sampler.drop_stale=true", "sampler.max_staleness=0"])
+    load_config(overrides=[*pr, "sampler.max_staleness=0"])  # admission at eta = 0: start only what the batch needs
+    load_config(overrides=pr)
 
 
 # ------------------------------------------------------------------ several engines

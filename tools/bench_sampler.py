@@ -15,8 +15,8 @@ and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 
 at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler deciding. Prints the
 calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
 fill dropping the surplus (verl's recipe, 1536 prompts a round), fill carrying it, stream, stream with
-partial rollout (max_staleness 1 and 2) and the oracle (only informative prompts), each at informative
-fractions p = 0.1, 0.25, 0.5, 0.8 (--tables main): mean and max generation seconds per step over the measured steps
+partial rollout (admission at eta = 1 and 2, and the older drop rule at staleness 1) and the oracle (only
+informative prompts), each at informative fractions p = 0.1, 0.25, 0.5, 0.8 (--tables main): mean and max generation seconds per step over the measured steps
 (after the warm-up ones), their ratio to fill-drop and fill-carry, aborted (wasted) tokens as a share of
 generated ones, engine busy share, mean prefill seconds per engine and preemptions per step. Then the
 issue's goals, each with its measured value. --json writes every step of every run.
@@ -107,14 +107,14 @@ def _goals(all_results: dict) -> list[dict]:
             if p not in all_results[regime]:
                 continue
             for s in (1, 2):
-                row = f"stream+partial S={s}"
+                row = f"stream+partial eta={s}"
                 goals.append((f"{row} / fill drop, {regime}, p={p}", ratio(regime, p, row, "fill drop"), 0.55))
                 goals.append((f"{row} / fill carry, {regime}, p={p}", ratio(regime, p, row, "fill carry"), 0.8))
             if regime == "late":
                 goals.append((f"stream / fill drop, late, p={p}", ratio("late", p, "stream", "fill drop"), 0.7))
                 goals.append((f"stream wasted %, late, p={p}", wasted("late", p, "stream"), 5.0))
                 for s in (1, 2):  # "near 0": at most 0.5% of the generated tokens
-                    row = f"stream+partial S={s}"
+                    row = f"stream+partial eta={s}"
                     goals.append((f"{row} wasted %, late, p={p}", wasted("late", p, row), 0.5))
     return [{"goal": name, "measured": v, "bound": f"<= {bound}", "met": v <= bound} for name, v, bound in goals]
 

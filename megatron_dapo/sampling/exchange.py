@@ -37,19 +37,19 @@ class Comm:
         """Bytes this rank received through all_gather_rows so far (the summaries' traffic)."""
 
     def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [r, w] float64 on this rank -> [sum of r over ranks, w], in rank order."""
+        """rows: [r, w] float64 on this rank -> [sum of r over ranks, max of w], in rank order; a narrower rank's
+        rows are padded with zero columns (one gather of the shapes, one of the rows)."""
         if self.world == 1:
             return rows
-        width = rows.shape[1]
-        counts = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
-        all_counts = [torch.zeros_like(counts) for _ in range(self.world)]
-        dist.all_gather(all_counts, counts)
-        sizes = [int(c.item()) for c in all_counts]
-        most = max(sizes)
+        shape = torch.tensor([rows.shape[0], rows.shape[1]], dtype=torch.int64, device=self.device)
+        shapes = [torch.zeros_like(shape) for _ in range(self.world)]
+        dist.all_gather(shapes, shape)
+        sizes = [int(s[0].item()) for s in shapes]
+        most, width = max(sizes), max(int(s[1].item()) for s in shapes)
         if most == 0:
             return rows.new_zeros((0, width))
         padded = torch.zeros((most, width), dtype=torch.float64, device=self.device)
-        padded[: rows.shape[0]] = rows.to(self.device)
+        padded[: rows.shape[0], : rows.shape[1]] = rows.to(self.device)
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded.contiguous())  # gloo sends a non-contiguous tensor wrong, silently
         self.bytes_gathered += most * width * 8 * (self.world - 1)
@@ -76,17 +76,18 @@ _HEAD = ("key", "index", "engine", "version", "informative", "reward_timeouts", 
 _PER_SAMPLE = ("lengths", "acc", "scores", "rewards", "truncated")
 
 
-def meta_width(group_size: int, max_staleness: int) -> int:
-    """Columns of one GroupMeta row: the head, 5 per sample, tokens per version (at most max_staleness + 1)."""
-    return len(_HEAD) + len(_PER_SAMPLE) * group_size + max_staleness + 1
+def meta_width(group_size: int, versions: int) -> int:
+    """Columns of one GroupMeta row: the head, 5 per sample, tokens per policy version (`versions` columns: the most
+    versions a group of the gathered ones spans; admission bounds when a group starts, not how many versions it
+    spans, so the width follows the data)."""
+    return len(_HEAD) + len(_PER_SAMPLE) * group_size + versions
 
 
-def metas_to_rows(metas: list[GroupMeta], group_size: int, max_staleness: int) -> torch.Tensor:
+def metas_to_rows(metas: list[GroupMeta], group_size: int) -> torch.Tensor:
     """[len(metas), meta_width] float64 (integers and flags exact: they are far below 2**53)."""
-    rows = torch.zeros((len(metas), meta_width(group_size, max_staleness)), dtype=torch.float64)
+    versions = max((len(g.version_tokens) for g in metas), default=1)
+    rows = torch.zeros((len(metas), meta_width(group_size, versions)), dtype=torch.float64)
     for i, g in enumerate(metas):
-        if len(g.version_tokens) > max_staleness + 1:
-            raise ValueError(f"group {g.key} spans {len(g.version_tokens)} policy versions: more than allowed")
         head = [g.key, g.index, g.engine, g.version, g.informative, g.reward_timeouts, g.reward_errors]
         row = head + [len(g.version_tokens)]
         for name in _PER_SAMPLE:
@@ -125,9 +126,9 @@ def rows_to_metas(rows: torch.Tensor, group_size: int) -> list[GroupMeta]:
     return out
 
 
-def gather_metas(comm: Comm, metas: list[GroupMeta], group_size: int, max_staleness: int) -> list[GroupMeta]:
+def gather_metas(comm: Comm, metas: list[GroupMeta], group_size: int) -> list[GroupMeta]:
     """Every rank's finished groups, on every rank (sorted by key: the scheduler's order)."""
-    rows = comm.all_gather_rows(metas_to_rows(metas, group_size, max_staleness))
+    rows = comm.all_gather_rows(metas_to_rows(metas, group_size))
     return sorted(rows_to_metas(rows, group_size), key=lambda g: g.key)
 
 

@@ -106,7 +106,6 @@ class DynamicSamplingLoader:
             shuffle=cfg.data.shuffle,
         )
         self.group_size = a.group_size
-        self.max_staleness = s.max_staleness
         self.tick_steps = s.tick_steps
         self.sampling = dict(
             temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length, stop_token_ids=stop_token_ids
@@ -142,7 +141,7 @@ class DynamicSamplingLoader:
             t1 = time.perf_counter()
             scored = self._collect_scored()
             t_scoring += time.perf_counter() - t1
-            sched.observe(gather_metas(self.comm, scored, self.group_size, self.max_staleness), self._engine_load())
+            sched.observe(gather_metas(self.comm, scored, self.group_size), self._engine_load())
             self._tick += 1
         t_full = time.perf_counter() - t0
         stop = sched.close_step()

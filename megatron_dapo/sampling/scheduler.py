@@ -40,14 +40,19 @@ queue (consumed from this epoch's pass, back in the next); the groups generated 
 without it.
 
 Staleness: the policy version is the number of weight syncs so far (= rollout steps trained);
-a token sampled under version v and trained at version V is V - v stale. max_staleness bounds it
-for every trained token: surplus informative groups carried to the next step and paused groups
-that would exceed it are dropped and their prompts requeued.
+a token sampled under version v and trained at version V is V - v stale. With partial rollout,
+max_staleness is AReaL's eta and bounds admission, never age: a group starts only while the
+informative groups found and not yet trained, plus those generating weighted by the estimated
+informative fraction, stay within (1 + eta) batches; every started group is then trained or rejected
+on its own outcome, however many versions it spans. (sampler.drop_stale restores the older rule:
+engines full, and carried or paused groups that would exceed max_staleness dropped, the longest ones.)
+fill and dynamic_bs carry their surplus one version on only when max_staleness >= 1.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -168,7 +173,7 @@ class SamplingScheduler:
         st = self._step = StepState(version=v)
         fresh, stale = [], []
         for g in self.carry:  # trained this step at version v
-            (fresh if v - g.version <= self.cfg.max_staleness else stale).append(g)
+            (stale if self._too_stale(g.version, v) else fresh).append(g)
         for g in stale:
             st.counts["groups_stale"] += 1
             st.counts["tokens_wasted_earlier"] += g.tokens
@@ -177,7 +182,7 @@ class SamplingScheduler:
         requeue = [g.index for g in stale]
         resumed: list[Submission] = []
         for p in self.paused:
-            if v - p.version > self.cfg.max_staleness:  # only when max_staleness was lowered since it was paused
+            if self._too_stale(p.version, v):  # only when max_staleness was lowered since it was paused
                 requeue.append(p.index)
                 st.counts["groups_stale"] += 1
                 st.counts["tokens_wasted_earlier"] += p.tokens
@@ -196,6 +201,21 @@ class SamplingScheduler:
         st.order = [s.key for s in resumed]
         self._note_in_flight()
         return resumed
+
+    def _too_stale(self, first_version: int, trained_at: int) -> bool:
+        """The drop rule (fill's carry; partial rollout only with sampler.drop_stale): would a group whose oldest
+        token is of first_version, trained at version trained_at, exceed max_staleness?"""
+        if self.cfg.partial_rollout and not self.cfg.drop_stale:
+            return False  # admission bounds partial rollout: a started group is never dropped for its age
+        return trained_at - first_version > self.cfg.max_staleness
+
+    def _admissible(self) -> int:
+        """Partial rollout: how many more groups may start within (1 + max_staleness) batches ahead of training
+        (AReaL's eta), counting each group generating as the informative fraction estimated so far."""
+        st = self._step
+        p = self._informative_estimate()
+        ahead = len(st.batch) + len(st.surplus) + len(self.carry) + p * len(self.flight)
+        return math.floor(((1 + self.cfg.max_staleness) * self.cfg.train_batch_size - ahead) / p + 1e-9)
 
     @property
     def step_done(self) -> bool:
@@ -239,6 +259,8 @@ class SamplingScheduler:
         if not self.cfg.partial_rollout:  # on-policy: only what the batch is expected to need, to abort little
             wanted = st.groups_wanted(self.cfg.train_batch_size, self._informative_estimate(), self.cfg.stream_margin)
             room = min(room, wanted - len(self.flight))
+        elif not self.cfg.drop_stale:  # starts stay within max_staleness batches of what training consumed
+            room = min(room, self._admissible())
         return self._submit(self._draw(room)) if room > 0 else []
 
     def _informative_estimate(self) -> float:
@@ -333,7 +355,7 @@ class SamplingScheduler:
             c["tokens_generated"] += info.tokens_now
             if info.first_version is None:  # never started: nothing generated, nothing lost
                 requeue.append((key, f.index))
-            elif keep and v + 1 - info.first_version <= self.cfg.max_staleness:
+            elif keep and not self._too_stale(info.first_version, v + 1):
                 self.paused.append(
                     Paused(key, f.index, f.engine, f.seed, info.first_version, info.tokens, f.predicted, f.p_generate)
                 )
@@ -353,7 +375,7 @@ class SamplingScheduler:
             )
         # surplus informative groups: trained next step (version v + 1) when allowed, else dropped
         for g in st.surplus:
-            if self.cfg.carry_surplus and v + 1 - g.version <= self.cfg.max_staleness:
+            if self.cfg.carry_surplus and not self._too_stale(g.version, v + 1):
                 self.carry.append(g)
                 c["tokens_carried"] += g.tokens_of_version(v)
             else:

@@ -181,6 +181,25 @@ class StepState:
             f"dataset whose difficulty suits the policy."
         )
 
+    def staleness_stats(self, max_staleness: int) -> dict[str, float]:
+        """Trained tokens by staleness (versions behind this step's), tokens_0 .. tokens_K with K at least
+        max_staleness, and the largest and 99th-percentile staleness of a trained token."""
+        hist: dict[int, int] = {}
+        for g in self.batch:
+            for i, n in enumerate(g.version_tokens):
+                if n:
+                    k = self.version - (g.version + i)
+                    hist[k] = hist.get(k, 0) + n
+        top = max(hist, default=0)
+        stats = {f"staleness/tokens_{k}": float(hist.get(k, 0)) for k in range(max(top, max_staleness) + 1)}
+        total, seen, p99 = sum(hist.values()), 0, 0
+        for k in sorted(hist):
+            seen += hist[k]
+            if seen >= 0.99 * total:
+                p99 = k
+                break
+        return stats | {"staleness/max": float(top), "staleness/p99": float(p99)}
+
     def stats(
         self,
         shortfall: Optional[str],
@@ -217,10 +236,7 @@ class StepState:
             "tokens/carried": c["tokens_carried"],
             "tokens/paused": c["tokens_paused"],
         }
-        for staleness in range(max_staleness + 1):
-            stats[f"staleness/tokens_{staleness}"] = float(
-                sum(g.tokens_of_version(self.version - staleness) for g in self.batch)
-            )
+        stats |= self.staleness_stats(max_staleness)
         if not c["groups"]:
             return stats  # served from the carry: no fresh rollout, so no rates (a 0 would read as a collapse)
         responses = c["responses"]

@@ -43,13 +43,16 @@ class Row:
 
 def paper_rows(base: SamplerConfig) -> list[Row]:
     """The table's rows over `base` (its batch, generation round, engine budget and tick): fill dropping or carrying
-    the surplus, stream, stream with partial rollout at staleness 1 and 2, and the oracle."""
+    the surplus, stream, stream with partial rollout admitting eta = 1 and 2 batches ahead, partial rollout with the
+    older drop rule at staleness 1 (sampler.drop_stale), and the oracle."""
+    partial = replace(base, mode="stream", partial_rollout=True)
     return [
         Row("fill drop", replace(base, mode="fill", carry_surplus=False)),
         Row("fill carry", replace(base, mode="fill", carry_surplus=True)),
         Row("stream", replace(base, mode="stream")),
-        Row("stream+partial S=1", replace(base, mode="stream", partial_rollout=True, max_staleness=1)),
-        Row("stream+partial S=2", replace(base, mode="stream", partial_rollout=True, max_staleness=2)),
+        Row("stream+partial eta=1", replace(partial, max_staleness=1)),
+        Row("stream+partial eta=2", replace(partial, max_staleness=2)),
+        Row("stream+partial drop S=1", replace(partial, max_staleness=1, drop_stale=True)),
         Row("oracle", replace(base, mode="stream"), oracle=True),
     ]
 
