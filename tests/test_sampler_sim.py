@@ -14,7 +14,7 @@ import pytest
 
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.sampling.sim.driver import Row, paper_rows, simulate
+from megatron_dapo.sampling.sim.driver import Row, floor_seconds, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.workload import Workload, _beta_informative, solve_beta
@@ -140,12 +140,45 @@ def test_stream_with_partial_rollout_wastes_nothing_and_the_drop_rule_does():
     assert sum(s.wasted + s.wasted_earlier for s in res.measured) > 0
 
 
-def test_oracle_trains_a_full_batch_of_informative_groups_every_step():
-    res = run(tiny_rows()["oracle"], tiny_workload(oracle=True), steps=3)
+def test_informative_only_trains_a_full_batch_of_informative_groups_every_step():
+    res = run(tiny_rows()["informative only"], tiny_workload(oracle=True), steps=3)
     for s in res.steps:
         assert s.batch_groups == BATCH and s.uninformative == 0 and s.informative_frac == 1.0
     with pytest.raises(ValueError, match="oracle=True"):
-        run(tiny_rows()["oracle"], tiny_workload())
+        run(tiny_rows()["informative only"], tiny_workload())
+
+
+def test_the_floor_is_below_every_row_and_is_its_formula():
+    """floor_seconds: no row on the same engines generates a batch faster, the informative-only row with partial
+    rollout and a wide admission included (no tail to wait for); and it is the formula of sim/driver.py worked out
+    from the groups it draws."""
+    m, w = tiny_engine(), tiny_workload()
+    floor = floor_seconds(m, w, batch=BATCH, num_engines=ENGINES, steps=6)
+    rows = dict(tiny_rows())
+    rows["informative only, partial eta=4"] = Row(
+        "x", replace(TINY, mode="stream", partial_rollout=True, max_staleness=4), oracle=True
+    )
+    for name, row in rows.items():  # per step on average: fill carry serves some steps from earlier ones' surplus
+        res = run(row, tiny_workload(oracle=row.oracle), steps=6, warmup=1)
+        mean = sum(s.gen_s for s in res.measured) / len(res.measured)
+        print(f"{name}: {mean / (sum(floor) / len(floor)):.2f} x the floor")
+        assert mean > 1.1 * sum(floor) / len(floor), name
+    # the formula, from the same draws (floor_seconds' generator, by its documented seed)
+    rng = np.random.default_rng([42, 7])
+    found, tokens, ctx, prefill = 0, 0.0, 0.0, 0.0
+    while found < BATCH:
+        prompt = int(rng.integers(w.num_prompts))
+        lengths, correct, _ = w.group(prompt, int(rng.integers(2**31)))
+        if correct.any() and not correct.all():
+            found += 1
+            p = float(w.prompts[prompt])
+            tokens += sum(float(x) for x in lengths)
+            ctx += sum(float(x) * p + float(x) * (float(x) - 1) / 2 for x in lengths)
+            prefill += p
+    hand = (tokens / SEQS) * (m.overhead_s + m.weight_read_s) + ctx * m.kv_read_s_per_token
+    hand += tokens * m.compute_s_per_seq + prefill * m.prefill_s_per_token
+    assert floor[0] == pytest.approx(hand / ENGINES, rel=1e-12)
+    assert floor_seconds(m, w, batch=BATCH, num_engines=2 * ENGINES, steps=1)[0] == pytest.approx(floor[0] / 2)
 
 
 def test_bench_tool_quick(tmp_path, capsys, monkeypatch):
@@ -165,9 +198,12 @@ def test_bench_tool_quick(tmp_path, capsys, monkeypatch):
         "stream+partial eta=1",
         "stream+partial eta=2",
         "stream+partial drop S=1",
-        "oracle",
+        "informative only",
+        "floor",
     }
+    floor = rows.pop("floor")["summary"]
     assert all(len(r["steps"]) == 3 for r in rows.values())  # 1 warm-up + 2 measured
+    assert all(r["summary"]["gen_s_mean"] > floor["gen_s_mean"] for r in rows.values())
     assert {g["goal"] for g in out["goals"]} >= {"stream wasted %, late, p=0.5"}
     printed = capsys.readouterr().out
-    assert "| fill drop | 0.5 |" in printed and "NOT paper scale" in printed
+    assert "| fill drop | 0.5 |" in printed and "| floor | 0.5 |" in printed and "NOT paper scale" in printed

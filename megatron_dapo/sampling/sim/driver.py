@@ -9,7 +9,7 @@ slowest-engine times), from begin_step (re-prefilling resumed groups included) t
 Between steps a weight sync of `sync_s` seconds happens with the engines asleep (colocated): nothing
 generates, so it is reported apart and is the same for every mode. Rows use max_gen_batches = 10 and
 gen_batch_size = 1536 (verl's recipe: fill's round size; for stream only the generation cap).
-engine_sequences (stream, partial rollout, oracle) = 128 samples per engine, the config default: about
+engine_sequences (stream, partial rollout, informative only) = 128 samples per engine, the config default: about
 what the KV cache holds at the late run's lengths (~110 sequences of ~6k tokens per engine). The engines
 report their unfinished samples every tick and new groups go where there is room; counting whole groups
 instead (an engine finishing one group's straggler then looks full) was 10-40% slower here, and a budget
@@ -17,6 +17,15 @@ of 320 samples floods the queues (thousands of preemptions a step). stream_margi
 32 (~0.8 s of generation) are the config defaults, both chosen from this simulator's first runs: margin
 0 wasted 4.5% of tokens at p = 0.25 and 0.5 against 6.1-6.6% at margin 1, in the same generation time;
 ticks of 8 to 512 steps moved the stream rows by under 1%.
+
+Every row's engines run at most max_num_seqs sequences at once (EngineModel; bench_sampler sets it to the stream
+rows' engine_sequences), fill's included: fill queues its whole round in the engines, and vLLM runs max_num_seqs of
+it at a time, so the rows differ in what they generate and when, not in how many sequences an engine may run.
+
+floor_seconds() is a true floor: the generation time of a batch of informative groups alone, with no tail and no
+engine ever below max_num_seqs sequences (the only batching-dependent cost, a step's overhead and weight read, spread
+over the most sequences an engine may run), the rest (context reads, per-sequence compute, each prompt's prefill once)
+paid exactly once per token: no schedule of these engines can generate those tokens faster.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from megatron_dapo.sampling.sim.workload import Workload
 @dataclass(frozen=True)
 class Row:
     """One table row: its name, the sampler config it runs (a dataclasses.replace of a base SamplerConfig, so every
-    field not named keeps the shipped default), and whether its workload is the oracle's (informative prompts only)."""
+    field not named keeps the shipped default), and whether its workload is only informative prompts (oracle)."""
 
     name: str
     sampler: SamplerConfig
@@ -44,7 +53,8 @@ class Row:
 def paper_rows(base: SamplerConfig) -> list[Row]:
     """The table's rows over `base` (its batch, generation round, engine budget and tick): fill dropping or carrying
     the surplus, stream, stream with partial rollout admitting eta = 1 and 2 batches ahead, partial rollout with the
-    older drop rule at staleness 1 (sampler.drop_stale), and the oracle."""
+    older drop rule at staleness 1 (sampler.drop_stale), and stream over informative prompts only (a workload no
+    sampler can draw; it still waits for its longest responses: not a floor, see floor_seconds)."""
     partial = replace(base, mode="stream", partial_rollout=True)
     return [
         Row("fill drop", replace(base, mode="fill", carry_surplus=False)),
@@ -53,7 +63,7 @@ def paper_rows(base: SamplerConfig) -> list[Row]:
         Row("stream+partial eta=1", replace(partial, max_staleness=1)),
         Row("stream+partial eta=2", replace(partial, max_staleness=2)),
         Row("stream+partial drop S=1", replace(partial, max_staleness=1, drop_stale=True)),
-        Row("oracle", replace(base, mode="stream"), oracle=True),
+        Row("informative only", replace(base, mode="stream"), oracle=True),
     ]
 
 
@@ -159,6 +169,40 @@ def _nanmean(values: list[float]) -> float:
 SYNC_S = 10.0
 """Weight sync between steps (s): 65.5 GB of bf16 weights gathered over NVLink and loaded into each engine,
 a few seconds at tens of GB/s; engines are asleep meanwhile, so it only adds to the wall clock."""
+
+
+def floor_seconds(
+    engine: EngineModel, workload: Workload, *, batch: int, num_engines: int, steps: int, seed: int = 42
+) -> list[float]:
+    """Per step, the floor of generating `batch` informative groups drawn from `workload` (module docstring).
+
+    Engine-seconds: T / max_num_seqs decode steps' overhead and weight read for T tokens (not rounded up), every
+    token's context read and compute, each group's prompt prefilled once (the prefix cache serves the other samples);
+    divided by the engines."""
+    m = engine
+    rng = np.random.default_rng([seed, 7])
+    out = []
+    for _ in range(steps):
+        tokens = ctx_read = prefill = 0.0
+        found = 0
+        while found < batch:
+            prompt = int(rng.integers(workload.num_prompts))
+            lengths, correct, _ = workload.group(prompt, int(rng.integers(2**31)))
+            if not 0 < correct.sum() < len(correct):
+                continue  # a floor generates informative groups only
+            found += 1
+            p = float(workload.prompts[prompt])
+            tokens += float(lengths.sum())
+            ctx_read += float((lengths * p + lengths * (lengths - 1) / 2).sum())
+            prefill += p
+        engine_s = (
+            tokens / m.max_num_seqs * (m.overhead_s + m.weight_read_s)
+            + ctx_read * m.kv_read_s_per_token
+            + tokens * m.compute_s_per_seq
+            + prefill * m.prefill_s_per_token
+        )
+        out.append(engine_s / num_engines)
+    return out
 
 
 def simulate(
