@@ -343,6 +343,56 @@ def test_continuation_across_a_weight_update(engine, hf_model, model_dir, tok, r
             assert resp.token_ids[: len(pre.token_ids)] == pre.token_ids
 
 
+@pytest.mark.parametrize("recompute_kv", [True, False], ids=["recompute_kv", "keep_kv"])
+def test_a_weight_update_arriving_mid_generation(engine, hf_model, model_dir, tok, rng, recompute_kv):
+    """Asynchronous DAPO's update: applied between two engine steps with groups in flight, none dropped; a sample's
+    tokens after it are tagged version 1. recompute_kv: their logprobs are the new weights' own (transformers on the
+    whole sequence); keep_kv: they are the engine's over KV cache the old weights computed, which differs, and those
+    behaviour logprobs are what training divides by (Response.logprobs, the rollout logprobs of train_samples)."""
+    prompts, n, max_tokens, k, temperature = random_prompts(rng, tok, 2), 3, 14, 5, 1.0
+    seed = rng.randrange(2**20)
+    groups = [GroupRequest(key=i, prompt_ids=p, n=n, seed=seed + 10 * i, version=0) for i, p in enumerate(prompts)]
+    original = {name: w.clone() for name, w in hf_model.state_dict().items()}
+    new = perturbed_state_dict(hf_model, seed=rng.randrange(2**20))
+    new_model = load_hf_model(model_dir, new)
+    with pytest.raises(ValueError):  # a bad set is refused before anything loads: the groups go on untouched
+        engine.submit(groups, temperature, 1.0, max_tokens)
+        engine.update_weights_in_flight([("model.norm.weight", torch.zeros(3))], version=1, recompute_kv=recompute_kv)
+    try:
+        final = {}
+        for _ in range(k):
+            final.update(engine.step())
+        pause = engine.update_weights_in_flight(new.items(), version=1, recompute_kv=recompute_kv)
+        assert pause["pause_s"] > 0 and engine.in_flight() == len(groups) - len(final)
+        rest, _ = drain(engine)
+        final.update(rest)
+    finally:
+        if engine.in_flight():
+            engine.abort(list(engine._groups))
+        engine.update_weights(original.items())
+    assert sorted(final) == [g.key for g in groups] and all(
+        len(rs) == n and all(r.finished for r in rs) for rs in final.values()
+    )
+    gaps, moved = [], []  # |engine - new weights' own|, |engine - old weights'| logprob of each token after the update
+    for g in groups:
+        for resp in final[g.key]:
+            m = min(k, len(resp.token_ids))  # one token per step: the first k were sampled by version 0
+            assert resp.versions == [0] * m + [1] * (len(resp.token_ids) - m)
+            old_ref = hf_logprobs(hf_model, g.prompt_ids, resp.token_ids, temperature)
+            new_ref = hf_logprobs(new_model, g.prompt_ids, resp.token_ids, temperature)
+            got = torch.tensor(resp.logprobs)
+            torch.testing.assert_close(got[:m], old_ref[:m], atol=ATOL_HF, rtol=0)
+            if recompute_kv:
+                torch.testing.assert_close(got[m:], new_ref[m:], atol=ATOL_HF, rtol=0)
+            gaps += (got[m:] - new_ref[m:]).abs().tolist()
+            moved += (got[m:] - old_ref[m:]).abs().tolist()
+    print(f"{len(gaps)} tokens after the update: max |engine - new weights| {max(gaps, default=0):.2e}")
+    assert gaps  # the update landed mid-generation: some sample went on after it
+    assert max(moved) > 1e-2  # and the new weights sampled them (not the old ones going on)
+    if not recompute_kv:  # the old weights' KV shows in the later tokens' logprobs
+        assert max(gaps) > 1e-2, max(gaps)
+
+
 def test_refusals_and_bad_arguments(engine, hf_model, tok, rng):
     prompts = random_prompts(rng, tok, 2)
     g = GroupRequest(key=3, prompt_ids=prompts[0], n=2, seed=1)

@@ -27,6 +27,11 @@ rollout step aborts what is still generating, getting back every sample's tokens
 
 A continued sample keeps its earlier tokens (and their logprobs and versions) and is sampled on from
 there under the current weights; the engine re-reads its context (prefill) first.
+
+Asynchronous DAPO does not stop the groups for a weight update: VLLMEngine.update_weights_in_flight(tensors,
+version, recompute_kv) applies a complete set between two step() calls; the groups go on, their later tokens tagged
+`version`, with their context re-read under the new weights (recompute_kv) or over the KV cache the old weights
+computed (then a later token's logprob, the behaviour logprob, is that mixture's).
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class StreamMixin:
         self._sample_of: dict[str, tuple[_StreamGroup, int]] = {}  # vLLM request id -> (its group, sample j)
         self._done_at_submit: list[int] = []  # keys of groups submitted already complete: the next step returns them
         self._stream_requests = 0  # makes each streamed request's id unique for the engine's lifetime
+        self._updating_in_flight = False  # update_weights_in_flight() is applying weights under streamed groups
 
     def submit(
         self,
@@ -316,8 +317,13 @@ class StreamMixin:
             i += rec.n
         return out
 
+    def _retag_in_flight(self, version: int) -> None:
+        """Tokens the groups in flight sample from now on are tagged `version` (the weights just applied)."""
+        for rec in self._groups.values():
+            rec.version = version
+
     def _refuse_while_streaming(self, what: str) -> None:
-        if self._groups:
+        if self._groups and not self._updating_in_flight:
             raise RuntimeError(
                 f"{what} refused: {len(self._groups)} streamed groups are in flight (keys "
                 f"{list(self._groups)[:8]}); abort() them (or let step() finish them) first"

@@ -92,6 +92,7 @@ class WeightSyncMixin:
         self._pending: dict[str, torch.Tensor] = {}  # CPU: streamed tensors awaiting the full reload
         self._received: set[str] = set()  # GPU: names loaded so far in the current update
         self._update_t0: float | None = None
+        self._recompute_kv = True  # update_weights_in_flight(): re-read running requests' context after loading
         self._mixed_weights = False  # GPU: an update stopped half-way; generate() refuses until a full one
         self._expected = checkpoint_tensor_shapes(self.model_path)
         if self._expected is not None and self.weight_format == "fp8":  # each quantized weight brings its scales
@@ -162,7 +163,10 @@ class WeightSyncMixin:
             for name, t in bucket:  # a copy: the trainer may reuse or free its buffers before the set completes
                 self._pending[name] = t.detach().to("cpu", copy=True)
         if self._expected is not None and not self._missing():
-            self.finish_weight_update()
+            if self._updating_in_flight:
+                self._finish_update("update_weights_in_flight() was called", recompute_kv=self._recompute_kv)
+            else:
+                self.finish_weight_update()
 
     def finish_weight_update(self) -> None:
         """Apply the streamed update (CPU: one full reload) and drop the prefix cache; raise if it is incomplete.
@@ -174,7 +178,33 @@ class WeightSyncMixin:
         self._refuse_while_streaming("finish_weight_update()")
         self._finish_update("finish_weight_update() was called")
 
-    def _finish_update(self, when: str) -> None:
+    def update_weights_in_flight(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, recompute_kv: bool
+    ) -> dict[str, float]:
+        """Apply a complete weight update between two engine steps without stopping the streamed groups in flight
+        (asynchronous DAPO: generation does not wait for training). Returns {"pause_s": the time no step could run}.
+
+        named_tensors: every tensor of the checkpoint (one iterable, possibly of several buckets), checked as
+        update_weights() checks them; an incomplete set raises and the old weights stay. Every token the groups in
+        flight sample afterwards is tagged `version`. recompute_kv=True: vLLM preempts every running request and
+        re-reads its prompt and tokens so far under the new weights before it samples on, so a later token's logprob
+        is the new policy's own. False: requests go on over KV cache computed by the old weights (cheaper: no
+        re-read), and the engine's logprob of a later token, the behaviour logprob that truncated importance
+        sampling divides by, is that mixture's; the prefix cache is kept too (vLLM cannot drop cached blocks while
+        requests hold blocks), so a new group's prompt may be read from a cache of the old weights.
+        """
+        t0 = time.perf_counter()
+        self._updating_in_flight, self._recompute_kv = True, recompute_kv
+        try:
+            self.update_weights(named_tensors)
+            if self._pending or self._received:  # checkpoint unknown (no safetensors headers): apply what came
+                self._finish_update("update_weights_in_flight() was called", recompute_kv=recompute_kv)
+        finally:
+            self._updating_in_flight = False
+        self._retag_in_flight(version)
+        return {"pause_s": time.perf_counter() - t0}
+
+    def _finish_update(self, when: str, recompute_kv: bool = True) -> None:
         if not self._pending and not self._received:
             return
         if self._missing():
@@ -184,7 +214,13 @@ class WeightSyncMixin:
             self._mixed_weights = False
         else:
             self._reload_full()
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        if self._updating_in_flight:
+            # recompute_kv: running requests are preempted and re-read their context under the new weights; the
+            # prefix cache can then be dropped. Otherwise it cannot (blocks in use): a False is expected
+            if not self.llm.reset_prefix_cache(reset_running_requests=recompute_kv) and recompute_kv:
+                raise RuntimeError("vLLM could not drop its KV cache after a weight update with recompute_kv")
+        else:
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.stats["weight_updates"] += 1
         self.stats["weight_update_seconds"] += time.perf_counter() - (self._update_t0 or time.perf_counter())
         self._update_t0 = None
