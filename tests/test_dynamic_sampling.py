@@ -480,10 +480,12 @@ def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
     print("KS p against fill:", {k: f"{v:.2g}" for k, v in p.items()})
     print("mean trained response length:", {k: round(v, 1) for k, v in mean.items()})
     assert 17 < mean["fill"] < 26
+    # equal distributions: p is uniform, so 1e-5 fails a correct sampler once in 1e5 runs; the controls measure
+    # 1e-13 to 1e-22 (seeds 1-3, 11-13)
     for name in ("stream", "partial eta=1", "partial eta=2"):
-        assert p[name] > 1e-4, (name, p, mean)
+        assert p[name] > 1e-5, (name, p, mean)
     for name in ("drop_stale 1", "first_finished"):
-        assert p[name] < 1e-6 and mean[name] < mean["fill"] - 2, (name, p, mean)
+        assert p[name] < 1e-8 and mean[name] < mean["fill"] - 2, (name, p, mean)
 
 
 def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):

@@ -386,7 +386,10 @@ def test_a_weight_update_arriving_mid_generation(engine, hf_model, model_dir, to
                 torch.testing.assert_close(got[m:], new_ref[m:], atol=ATOL_HF, rtol=0)
             gaps += (got[m:] - new_ref[m:]).abs().tolist()
             moved += (got[m:] - old_ref[m:]).abs().tolist()
-    print(f"{len(gaps)} tokens after the update: max |engine - new weights| {max(gaps, default=0):.2e}")
+    print(
+        f"recompute_kv={recompute_kv}: pause {pause['pause_s'] * 1e3:.0f} ms; {len(gaps)} tokens after the update, "
+        f"max |engine - new weights| {max(gaps, default=0):.2e}"
+    )
     assert gaps  # the update landed mid-generation: some sample went on after it
     assert max(moved) > 1e-2  # and the new weights sampled them (not the old ones going on)
     if not recompute_kv:  # the old weights' KV shows in the later tokens' logprobs
