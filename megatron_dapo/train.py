@@ -152,6 +152,8 @@ def progress_line(m: dict[str, Any]) -> str:
         rollout = f"no generation: {int(m['sampler/batch_groups'])} carried-over groups"
     if "rollout/tis_capped_frac" in m:  # truncated IS on (FP8 rollouts, partial rollout): how far off the rollouts are
         rollout += f" | kl {m['rollout/kl']:.1e} capped {m['rollout/tis_capped_frac']:.2%}"
+    if m.get("staleness/max"):  # partial rollout: some trained tokens were sampled versions ago
+        rollout += f" | stale max {int(m['staleness/max'])} p99 {int(m['staleness/p99'])}"
     evaluation = ""
     if "eval/avg_at_k" in m:
         k = int(m["eval/k"])

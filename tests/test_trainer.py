@@ -77,6 +77,17 @@ def test_minibatch_ids_split_each_minibatch_evenly_over_data_parallel_ranks():
     assert got == sorted(flat)
 
 
+def test_the_progress_line_shows_staleness_only_when_stale_tokens_were_trained():
+    from megatron_dapo.train import progress_line
+
+    m = {"step": 3.0, "reward/mean": -0.5, "reward/acc": 0.25, "sampler/informative_frac": 0.5}
+    m |= {"sampler/gen_rounds": 0.0, "sampler/groups_generated": 9.0, "tokens/wasted": 0.0, "tokens/generated": 90.0}
+    m |= {"response/length_mean": 10.0, "response/length_max": 24.0, "perf/tokens_per_s": 100.0}
+    m |= {f"timing/{k}": 0.5 for k in ("generate", "old_logp", "train", "sync")}
+    assert "stale" not in progress_line(m | {"staleness/max": 0.0, "staleness/p99": 0.0})
+    assert " | stale max 4 p99 2 | " in progress_line(m | {"staleness/max": 4.0, "staleness/p99": 2.0})
+
+
 def test_eval_and_save_cadence():
     """eval.every=N: steps N, 2N, ... and the last (0: never); trainer.save_every=N: the same, but 0 saves at the end."""
     from types import SimpleNamespace
