@@ -261,7 +261,8 @@ class SamplerConfig:
     an engine finishing a group's last straggler has room for new ones). New groups go to the engine with the
     most room. Set it to about what an engine's KV cache holds at once: 128 for Qwen2.5-32B on 4 x H100 at
     the paper's lengths (~110 sequences fit at ~6k tokens; tools/bench_sampler.py); more only queues samples
-    inside vLLM, where KV pressure preempts them. partial_rollout keeps every engine this full."""
+    inside vLLM, where KV pressure preempts them. partial_rollout keeps every engine this full, as far as
+    admission (max_staleness) allows."""
     stream_margin: float = 0.0
     """stream: binomial standard deviations of informative groups to keep in flight beyond what the batch is
     expected to need. More: fewer late refills; less: fewer groups behind the batch to throw away. 0 was

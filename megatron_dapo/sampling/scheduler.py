@@ -28,10 +28,11 @@ Modes (sampler.mode):
   ones a round-based sampler would have trained (no bias toward short responses). When the batch
   is full, every group behind its last one goes back to the head of the queue, still generating
   (aborted) or finished: keeping the finished ones would keep the short ones.
-- stream with partial_rollout: engines are kept full, groups are accepted as they complete, and
-  groups still generating when the batch is full are paused and continue after the weight sync
-  (every token tagged with the policy version that sampled it). Every started group is eventually
-  accepted, rejected on its own outcome, or aborted by the staleness bound alone, so over a run
+- stream with partial_rollout: groups start while the engines have room and admission allows (see
+  Staleness), are accepted as they complete, and groups still generating when the batch is full are
+  paused and continue after the weight sync (every token tagged with the policy version that sampled
+  it). Every started group is eventually accepted or rejected on its own outcome (with
+  sampler.drop_stale also aborted by the staleness bound alone), so over a run
   no response is kept or dropped for being short.
 
 Prompt memory (prompt_memory.py): every observed group is recorded against its prompt, and with
