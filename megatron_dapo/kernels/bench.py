@@ -99,6 +99,14 @@ def equality_check(
                 f"{int(near.sum())} tokens at a clip boundary, repeat {'bit-identical' if repeat else 'DIFFERS'} -> "
                 f"{'ok' if good else 'MISMATCH'}"
             )
+            if not good:  # the worst token, to tell a wrong formula from a wrong read (replays of a seed have passed)
+                rel = (lp.grad.float() - lp_ref.grad.float()).abs() / lp_ref.grad.float().abs().clamp(min=1e-30)
+                i = int(torch.where(near | (lp.grad == lp_ref.grad), 0, rel).nan_to_num(0).argmax())
+                print(
+                    f"  worst token {i} of {mask.numel()}: mask {bool(mask.flatten()[i])}, logp {logp.flatten()[i].item()!r}, "
+                    f"old {old.flatten()[i].item()!r}, ratio {r.flatten()[i].item()!r}, grad {lp.grad.flatten()[i].item()!r} "
+                    f"vs {lp_ref.grad.flatten()[i].item()!r}; stats {[(k, out.stats[k].item(), ref.stats[k].item()) for k in STAT_KEYS]}"
+                )
     return ok
 
 
