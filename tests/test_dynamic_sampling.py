@@ -488,24 +488,34 @@ def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
         assert p[name] < 1e-8 and mean[name] < mean["fill"] - 2, (name, p, mean)
 
 
+def _long_groups(pool, **kw):
+    """(engine, loader) of partial rollout in steps of 4 groups over prompts whose every fifth group is 90 tokens
+    long (the rest 2-5): those outlive several steps. kw: more sampler fields."""
+    script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
+    engine = ScriptedEngine(script, capacity=12)
+    kw = (
+        dict(mode="stream", partial_rollout=True, train_batch_size=4, engine_sequences=6 * G, max_response_length=120)
+        | kw
+    )
+    return engine, loader(make_dataset(100), engine, pool, **kw)
+
+
+def _lost_prompts(engine, ds, kept: set[int]) -> list[tuple[int, int]]:
+    """(key, prompt) of each submitted group not in kept whose prompt never comes back: neither submitted again later
+    nor queued (the epoch would lose it)."""
+    submitted = engine.submitted
+    return [
+        (key, p)
+        for n, (key, p) in enumerate(submitted)
+        if key not in kept and p not in [q for _, q in submitted[n + 1 :]] + ds.scheduler.queue
+    ]
+
+
 def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
     """sampler.drop_stale (the rule before admission): every trained token at most max_staleness old, the groups
     that cannot make it dropped and their prompts requeued."""
     # a few very long groups: they cannot finish within the one extra step that max_staleness=1 allows
-    script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
-    engine = ScriptedEngine(script, capacity=12)
-    ds = loader(
-        make_dataset(100),
-        engine,
-        pool,
-        mode="stream",
-        partial_rollout=True,
-        max_staleness=1,
-        drop_stale=True,
-        train_batch_size=4,
-        engine_sequences=6 * G,
-        max_response_length=120,
-    )
+    engine, ds = _long_groups(pool, max_staleness=1, drop_stale=True)
     dropped = 0
     trained = set()
     for _ in range(12):
@@ -522,32 +532,15 @@ def test_staleness_bound_holds_and_drops_what_would_exceed_it(pool):
     assert dropped > 0  # the 90-token groups were dropped, not trained stale
     # every group is informative here, so a group neither trained nor still paused was dropped by the bound (or
     # never started): its prompt must come back (submitted again later, or queued), or the epoch would lose it
-    submitted = engine.submitted
-    pending = {p.key for p in ds.scheduler.paused}
-    lost = [
-        (key, p)
-        for n, (key, p) in enumerate(submitted)
-        if key not in trained | pending and p not in [q for _, q in submitted[n + 1 :]] + ds.scheduler.queue
-    ]
-    assert any(p % 5 == 0 for key, p in submitted if key not in trained | pending)  # the 90-token ones among them
-    assert not lost
+    kept = trained | {p.key for p in ds.scheduler.paused}
+    assert any(p % 5 == 0 for key, p in engine.submitted if key not in kept)  # the 90-token ones among them
+    assert not _lost_prompts(engine, ds, kept)
 
 
 def test_admission_never_drops_a_started_group_and_reports_its_staleness(pool):
     """The default: the same long groups as above are continued under each new version until they finish and are
     trained, nothing generated is thrown away, and the staleness metrics say how old the trained tokens were."""
-    script = correct_first(lambda i: 1 + i % 3, length=lambda i, j: 90 if i % 5 == 0 else 2 + j)
-    engine = ScriptedEngine(script, capacity=12)
-    ds = loader(
-        make_dataset(100),
-        engine,
-        pool,
-        mode="stream",
-        partial_rollout=True,
-        train_batch_size=4,
-        engine_sequences=6 * G,
-        max_response_length=120,
-    )
+    engine, ds = _long_groups(pool)
     trained, oldest = {}, 0
     for _ in range(12):
         b = ds.next_batch()
@@ -565,16 +558,8 @@ def test_admission_never_drops_a_started_group_and_reports_its_staleness(pool):
     assert any(i % 5 == 0 for i in trained.values())
     # every group is informative here: one neither trained nor still pending never started (wasted is 0 above) and
     # its prompt came back
-    pending = {p.key for p in ds.scheduler.paused} | {g.key for g in ds.scheduler.carry}
-    submitted = engine.submitted
-    lost = [
-        (key, p)
-        for n, (key, p) in enumerate(submitted)
-        if key not in trained
-        and key not in pending
-        and p not in [q for _, q in submitted[n + 1 :]] + ds.scheduler.queue
-    ]
-    assert not lost
+    kept = set(trained) | {p.key for p in ds.scheduler.paused} | {g.key for g in ds.scheduler.carry}
+    assert not _lost_prompts(engine, ds, kept)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2])

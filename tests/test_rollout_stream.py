@@ -296,14 +296,21 @@ def test_a_sample_at_the_limit_completes_without_a_request(engine, tok, rng):
     assert rs[0].finished and not rs[0].truncated and rs[0].token_ids == part[0].token_ids
 
 
-def test_continuation_across_a_weight_update(engine, hf_model, model_dir, tok, rng):
-    """The partial-rollout case: paused at a weight sync, continued under the new policy, each token tagged."""
-    prompts, n, max_tokens, k, temperature = random_prompts(rng, tok, 2), 3, 14, 5, 1.0
+def update_case(rng, tok, hf_model, model_dir):
+    """Two groups of 3 samples (prompts and seeds from rng) and a perturbed copy of the module model's weights:
+    (groups, the weights now, the new weights, a transformers model holding the new ones)."""
+    prompts = random_prompts(rng, tok, 2)
     seed = rng.randrange(2**20)
-    groups = [GroupRequest(key=i, prompt_ids=p, n=n, seed=seed + 10 * i, version=0) for i, p in enumerate(prompts)]
+    groups = [GroupRequest(key=i, prompt_ids=p, n=3, seed=seed + 10 * i, version=0) for i, p in enumerate(prompts)]
     original = {name: w.clone() for name, w in hf_model.state_dict().items()}
     new = perturbed_state_dict(hf_model, seed=rng.randrange(2**20))
-    new_model = load_hf_model(model_dir, new)
+    return groups, original, new, load_hf_model(model_dir, new)
+
+
+def test_continuation_across_a_weight_update(engine, hf_model, model_dir, tok, rng):
+    """The partial-rollout case: paused at a weight sync, continued under the new policy, each token tagged."""
+    groups, original, new, new_model = update_case(rng, tok, hf_model, model_dir)
+    max_tokens, k, temperature = 14, 5, 1.0
     try:
         part = abort_after(engine, groups, k, temperature, max_tokens)
         # a sample ends within 5 tokens with p = 0.02 (measured, 300 seeds): all 6 have ended with p < 1e-10
@@ -349,12 +356,8 @@ def test_a_weight_update_arriving_mid_generation(engine, hf_model, model_dir, to
     tokens after it are tagged version 1. recompute_kv: their logprobs are the new weights' own (transformers on the
     whole sequence); keep_kv: they are the engine's over KV cache the old weights computed, which differs, and those
     behaviour logprobs are what training divides by (Response.logprobs, the rollout logprobs of train_samples)."""
-    prompts, n, max_tokens, k, temperature = random_prompts(rng, tok, 2), 3, 14, 5, 1.0
-    seed = rng.randrange(2**20)
-    groups = [GroupRequest(key=i, prompt_ids=p, n=n, seed=seed + 10 * i, version=0) for i, p in enumerate(prompts)]
-    original = {name: w.clone() for name, w in hf_model.state_dict().items()}
-    new = perturbed_state_dict(hf_model, seed=rng.randrange(2**20))
-    new_model = load_hf_model(model_dir, new)
+    groups, original, new, new_model = update_case(rng, tok, hf_model, model_dir)
+    n, max_tokens, k, temperature = groups[0].n, 14, 5, 1.0
     with pytest.raises(ValueError):  # a bad set is refused before anything loads: the groups go on untouched
         engine.submit(groups, temperature, 1.0, max_tokens)
         engine.update_weights_in_flight([("model.norm.weight", torch.zeros(3))], version=1, recompute_kv=recompute_kv)

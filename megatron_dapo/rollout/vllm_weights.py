@@ -92,7 +92,7 @@ class WeightSyncMixin:
         self._pending: dict[str, torch.Tensor] = {}  # CPU: streamed tensors awaiting the full reload
         self._received: set[str] = set()  # GPU: names loaded so far in the current update
         self._update_t0: float | None = None
-        self._recompute_kv = True  # update_weights_in_flight(): re-read running requests' context after loading
+        self._recompute_kv = True  # update_weights_in_flight()'s choice, read when the update applies
         self._mixed_weights = False  # GPU: an update stopped half-way; generate() refuses until a full one
         self._expected = checkpoint_tensor_shapes(self.model_path)
         if self._expected is not None and self.weight_format == "fp8":  # each quantized weight brings its scales
@@ -163,10 +163,7 @@ class WeightSyncMixin:
             for name, t in bucket:  # a copy: the trainer may reuse or free its buffers before the set completes
                 self._pending[name] = t.detach().to("cpu", copy=True)
         if self._expected is not None and not self._missing():
-            if self._updating_in_flight:
-                self._finish_update("update_weights_in_flight() was called", recompute_kv=self._recompute_kv)
-            else:
-                self.finish_weight_update()
+            self.finish_weight_update()
 
     def finish_weight_update(self) -> None:
         """Apply the streamed update (CPU: one full reload) and drop the prefix cache; raise if it is incomplete.
@@ -197,14 +194,13 @@ class WeightSyncMixin:
         self._updating_in_flight, self._recompute_kv = True, recompute_kv
         try:
             self.update_weights(named_tensors)
-            if self._pending or self._received:  # checkpoint unknown (no safetensors headers): apply what came
-                self._finish_update("update_weights_in_flight() was called", recompute_kv=recompute_kv)
+            self._finish_update("update_weights_in_flight() was called")  # a no-op when the set applied itself
         finally:
             self._updating_in_flight = False
         self._retag_in_flight(version)
         return {"pause_s": time.perf_counter() - t0}
 
-    def _finish_update(self, when: str, recompute_kv: bool = True) -> None:
+    def _finish_update(self, when: str) -> None:
         if not self._pending and not self._received:
             return
         if self._missing():
@@ -217,6 +213,7 @@ class WeightSyncMixin:
         if self._updating_in_flight:
             # recompute_kv: running requests are preempted and re-read their context under the new weights; the
             # prefix cache can then be dropped. Otherwise it cannot (blocks in use): a False is expected
+            recompute_kv = self._recompute_kv
             if not self.llm.reset_prefix_cache(reset_running_requests=recompute_kv) and recompute_kv:
                 raise RuntimeError("vLLM could not drop its KV cache after a weight update with recompute_kv")
         else:
