@@ -205,3 +205,113 @@ def _sleep_wake(tmp: Path) -> Result:
     if after_wake != first or after_update != first:
         problems.append("greedy generation changed across sleep/wake or the update")
     return Result(not problems, n, "; ".join(problems))
+
+
+def check_inflight_update(ctx: dict) -> Result:
+    """Asynchronous DAPO's weight update under streamed groups (VLLMEngine.update_weights_in_flight), both KV
+    choices, its model directory in a temporary folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="preflight_inflight_") as tmp:
+        return _inflight_update(Path(tmp))
+
+
+def _inflight_update(tmp: Path) -> Result:
+    """Groups stream, a new policy arrives after `k` engine steps, the groups finish under it. Each token is scored
+    by both policies (transformers, float32 over the engine's bf16-rounded weights): a token tagged with a version
+    must sit far closer to that policy's logprob than to the other's (the gap ratio is scale free, so bf16 noise on
+    a random model's small logits cannot pass or fail it by itself). recompute_kv=True must pass for every tagged
+    token; keep_kv's later tokens are a mixture by design, reported only."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_dapo.model.tiny import build_tiny_qwen2
+    from megatron_dapo.rollout import GroupRequest, VLLMEngine
+
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    # head_dim 64: FlashAttention's smallest common size (the default tiny model's 32 is a CPU-attention size)
+    model_dir = build_tiny_qwen2(tmp, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    old = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    new = {
+        k: (w + 0.5 * w.std().clamp_min(1e-3) * torch.randn(w.shape, generator=g)).contiguous() for k, w in old.items()
+    }
+
+    def reference(weights: dict) -> Qwen2ForCausalLM:
+        model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval().to(dev)
+        model.load_state_dict({k: w.to(dtype).float() for k, w in weights.items()}, strict=False)
+        return model
+
+    refs = {0: reference(old), 1: reference(new)}
+    engine = VLLMEngine(
+        str(model_dir), dtype="bfloat16" if cuda else "float32", max_model_len=128, gpu_memory_utilization=0.4, seed=0
+    )
+    gp = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 300, (int(torch.randint(8, 24, (1,), generator=gp)),), generator=gp).tolist() for _ in range(8)
+    ]
+    n, k, max_tokens = 4, 6, 48
+    n_out: dict[str, Any] = {"groups": len(prompts), "samples_per_group": n, "update_after_steps": k}
+    problems: list[str] = []
+    try:
+        for recompute_kv in (True, False):
+            tag = "recompute" if recompute_kv else "keep_kv"
+            groups = [GroupRequest(key=i, prompt_ids=p, n=n, seed=100 + i, version=0) for i, p in enumerate(prompts)]
+            engine.submit(groups, 1.0, 1.0, max_tokens)
+            final: dict = {}
+            for _ in range(k):
+                final.update(engine.step())
+            left = engine.in_flight()
+            pause = engine.update_weights_in_flight(new.items(), version=1, recompute_kv=recompute_kv)
+            steps = 0
+            while engine.in_flight() and steps < 10 * max_tokens:
+                final.update(engine.step())
+                steps += 1
+            if engine.in_flight() or sorted(final) != list(range(len(prompts))):
+                problems.append(f"{tag}: groups lost or stuck ({engine.in_flight()} in flight after {steps} steps)")
+                break
+            near, far, bad_tags = {0: [], 1: []}, {0: [], 1: []}, 0
+            for key, rs in final.items():
+                for r in rs:
+                    vs = r.versions
+                    m = vs.count(0)
+                    bad_tags += vs != [0] * m + [1] * (len(vs) - m)
+                    if not r.token_ids:
+                        continue
+                    ids = torch.tensor([prompts[key] + r.token_ids], device=dev)
+                    got = torch.tensor(r.logprobs)
+                    with torch.no_grad():
+                        ref = {}
+                        for v, model in refs.items():
+                            lp = torch.log_softmax(model(ids).logits[0, len(prompts[key]) - 1 : -1].float(), -1)
+                            ref[v] = lp.gather(-1, ids[0, len(prompts[key]) :, None])[:, 0].cpu()
+                    for v in (0, 1):
+                        sel = torch.tensor(vs) == v
+                        near[v] += (got[sel] - ref[v][sel]).abs().tolist()
+                        far[v] += (got[sel] - ref[1 - v][sel]).abs().tolist()
+
+            def mean(xs: list) -> float:
+                return sum(xs) / max(1, len(xs))
+
+            n_out[f"{tag}_pause_s"] = round(pause["pause_s"], 4)
+            n_out[f"{tag}_groups_in_flight"] = left
+            n_out[f"{tag}_tokens_v0_v1"] = f"{len(near[0])}/{len(near[1])}"
+            for v in (0, 1):
+                n_out[f"{tag}_v{v}_own_mean"] = float(f"{mean(near[v]):.3g}")
+                n_out[f"{tag}_v{v}_other_mean"] = float(f"{mean(far[v]):.3g}")
+            if bad_tags:
+                problems.append(f"{tag}: {bad_tags} samples whose versions are not 0s then 1s")
+            if not near[1]:
+                problems.append(f"{tag}: no token was sampled after the update (it did not land mid-generation)")
+            checked = (0, 1) if recompute_kv else (0,)
+            for v in checked:
+                if mean(near[v]) > 0.2 * mean(far[v]):
+                    problems.append(
+                        f"{tag}: tokens tagged {v} are {mean(near[v]):.3g} from their policy's logprob and "
+                        f"{mean(far[v]):.3g} from the other's: not the tagged policy's"
+                    )
+            engine.update_weights(old.items())  # back to the first policy for the next case
+            engine.finish_weight_update()
+    finally:
+        engine.close()
+    return Result(not problems, n_out, "; ".join(problems))

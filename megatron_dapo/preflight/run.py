@@ -26,6 +26,8 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
                    tokens/s against bridge's
   sleep_wake       CUDA + vLLM: GPU memory freed by sleep() and given back by wake(); greedy generation unchanged
                    after wake and after a weight update made while asleep (the trainer's cycle)
+  inflight_update  CUDA + vLLM: asynchronous DAPO's weight update between two engine steps with groups in flight
+                   (recompute_kv and keep_kv): none lost, each token tagged and sampled by its policy, the pause
   te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences), and FP8 when
                    the GPU has it (compute capability 8.9+)
 
@@ -65,7 +67,12 @@ from megatron_dapo.preflight.checks import (
     check_te,
     train_check,
 )
-from megatron_dapo.preflight.engine_checks import check_bridge, check_bridge_fp8, check_sleep_wake
+from megatron_dapo.preflight.engine_checks import (
+    check_bridge,
+    check_bridge_fp8,
+    check_inflight_update,
+    check_sleep_wake,
+)
 
 MIN_CHECK_S = 30
 """Under --deadline-s, a check with less time than this left is not started (skipped, with the reason)."""
@@ -125,6 +132,13 @@ CHECKS = [
         420,
     ),
     Check("sleep_wake", check_sleep_wake, ("cuda", "vllm"), "freed > 1 GiB, restored within 1 GiB, same tokens", 420),
+    Check(
+        "inflight_update",
+        check_inflight_update,
+        ("cuda", "vllm"),
+        "tokens tagged v sit < 0.2x as far from policy v's logprob as from the other's (recompute_kv)",
+        300,
+    ),
     Check("te", check_te, ("cuda", "te"), "TE MFU vs train_0.5b's local layers; FP8 on 8.9+", 480),
 ]
 BY_NAME = {c.name: c for c in CHECKS}
