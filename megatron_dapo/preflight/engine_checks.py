@@ -77,8 +77,9 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
         # bf16 in both, different attention kernels; measured on the H100 (random 1.5B weights): 0.021-0.030 mean,
         # 0.095-0.127 max against 1.07 mean with stale weights
         tol_mean, tol_max = 0.05, 0.5
-        if quantization == "fp8":  # FP8 weights and activations against bf16 (references, not yet measured)
-            tol_mean, tol_max = 0.1, 3.0
+        if quantization == "fp8":  # FP8 weights and activations against bf16. Measured on the H200: 0.22-0.33
+            # mean, 0.86-1.14 max, ~10x bf16's, as E4M3's 3 mantissa bits against bf16's 7 predict (16x)
+            tol_mean, tol_max = 0.5, 3.0
     else:
         shape, model_dir = "tiny qwen2", build_tiny_qwen2(tmp)
         arch = ModelArch.from_hf_dir(model_dir)
@@ -138,8 +139,9 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
         for what, (m, x, _) in (("after the first sync", before), ("after the second sync", after))
         if m > tol_mean or x > tol_max
     ]
-    # the stale engine must be far further off than a synced one (FP8's own mismatch is the floor there)
-    if stale[0] <= (10 * tol_mean if quantization == "none" else 3 * after[0]):
+    # the stale engine must be far further off than a synced one (FP8's own mismatch is the floor there: on the
+    # H200 a wrong policy sat at 1.06 mean, 3.2x the synced FP8 engine's 0.33)
+    if stale[0] <= (10 * tol_mean if quantization == "none" else 2 * after[0]):
         problems.append(
             f"the perturbed policy differs from the stale engine by only {stale[0]:.3g}: check not sensitive"
         )
