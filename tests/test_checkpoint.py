@@ -6,7 +6,13 @@ import pytest
 import torch
 from megatron_helpers import Job, random_batch, result, run_jobs, save_case, tiny_hf_model, wants_slow
 
-LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tp=2"]), "dp2-distributed-optimizer": (2, [])}
+# dp2 in bf16, the GPU configs' precision: the distributed optimizer's checkpoint of a bf16 model (fp32 main
+# params and Adam moments beside bf16 weights)
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tp=2"]),
+    "dp2-distributed-optimizer-bf16": (2, ["model.dtype=bf16"]),
+}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from megatron_dapo.preflight.pieces import plan_pieces, reassemble, write_pieces
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge", "bridge_fp8")
-GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "inflight_update", "te")
+GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "inflight_update", "train_e2e", "te")
 
 
 def test_a_train_variant_out_of_gpu_memory_is_reported_not_fatal():

@@ -11,7 +11,7 @@ LAYOUTS = {  # name: (family, tied, nproc, overrides)
     "tp1": ("qwen2", False, 1, []),
     "tp2": ("qwen2", False, 2, ["parallel.tp=2"]),
     "pp2-tied": ("llama", True, 2, ["parallel.pp=2"]),
-    "pp2-bf16": ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 matrices next to fp32 norms
+    "pp2-bf16": ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 tensors over the stages
 }
 
 

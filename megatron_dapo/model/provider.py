@@ -119,6 +119,12 @@ def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
             rotary_base=arch.rope_theta,
             vp_stage=vp,
         )
+        # Every parameter in the model's dtype, as Megatron's Float16Module makes it: the local spec's torch norms
+        # are built float32 whatever params_dtype says, and a bf16 model with fp32 norms breaks the distributed
+        # optimizer's checkpoint (its parameter order mixes the two dtypes: a bf16 save raised an AssertionError)
+        for p in model.parameters():
+            if p.dtype != tf_config.params_dtype:
+                p.data = p.data.to(tf_config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -28,6 +28,8 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
                    after wake and after a weight update made while asleep (the trainer's cycle)
   inflight_update  CUDA + vLLM: asynchronous DAPO's weight update between two engine steps with groups in flight
                    (recompute_kv and keep_kv): none lost, each token tagged and sampled by its policy, the pause
+  train_e2e        CUDA + vLLM: the trainer end to end under torchrun (Megatron policy and vLLM engine in one
+                   process, streamed rollouts, syncs, checkpoints), two steps of a random tiny model
   te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences), and FP8 when
                    the GPU has it (compute capability 8.9+)
 
@@ -72,6 +74,7 @@ from megatron_dapo.preflight.engine_checks import (
     check_bridge_fp8,
     check_inflight_update,
     check_sleep_wake,
+    check_train_e2e,
 )
 
 MIN_CHECK_S = 30
@@ -137,6 +140,13 @@ CHECKS = [
         check_inflight_update,
         ("cuda", "vllm"),
         "tokens tagged v sit < 0.2x as far from policy v's logprob as from the other's (recompute_kv)",
+        300,
+    ),
+    Check(
+        "train_e2e",
+        check_train_e2e,
+        ("cuda", "vllm"),
+        "2 steps exit 0, finite metrics, engine vs Megatron logprob < 0.05 mean, 2 checkpoints",
         300,
     ),
     Check("te", check_te, ("cuda", "te"), "TE MFU vs train_0.5b's local layers; FP8 on 8.9+", 480),

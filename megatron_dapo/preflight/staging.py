@@ -176,7 +176,7 @@ def preflight_calls() -> list[str]:
     return [
         f"{run} --deadline-s 330 --only env,bridge,bridge_fp8,sleep_wake,inflight_update --json $OUT/preflight_a.json; "
         f"{run} --deadline-s 200 --only limits,kernel_equality,train_0.5b,determinism --json $OUT/preflight_b.json",
-        f"{run} --deadline-s 500 --only kernel_timing,train_tiny,train_1.5b,te --json $OUT/preflight_c.json",
+        f"{run} --deadline-s 500 --only kernel_timing,train_tiny,train_1.5b,train_e2e,te --json $OUT/preflight_c.json",
     ]
 
 

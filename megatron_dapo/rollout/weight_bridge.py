@@ -42,8 +42,8 @@ class WeightBridge:
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = layout.pp_rank
-        # Which pipeline rank owns each tensor, and its dtype (bf16 models keep fp32 norms): learnt once,
-        # by exchanging what each stage holds, so the other stages can allocate receive buffers.
+        # Which pipeline rank owns each tensor, and its dtype: learnt once, by exchanging what each stage holds, so
+        # the other stages can allocate receive buffers.
         mine = sorted((name, str(p.dtype).removeprefix("torch.")) for name, p in self.params.items())
         held: list = [None] * layout.pp
         if layout.pp > 1:
