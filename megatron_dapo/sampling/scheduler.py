@@ -115,6 +115,9 @@ class SamplingScheduler:
         self.queue: list[int] = []
         self.carry: list[GroupMeta] = []
         self.paused: list[Paused] = []
+        self.untrained_batches = 0
+        """Asynchronous pipeline: batches handed to the trainer and not trained yet, set by whoever runs the trainer
+        (the controller, the simulator) before each plan(); admission counts them as started. Colocated: always 0."""
         # without dynamic sampling every group is trained: nothing to estimate
         self.informative_frac = INITIAL_INFORMATIVE_FRAC if dynamic_sampling else 1.0
         self.memory = PromptMemory(num_prompts, group_size, sampler, seed)
@@ -212,10 +215,12 @@ class SamplingScheduler:
 
     def _admissible(self) -> int:
         """Partial rollout: how many more groups may start within (1 + max_staleness) batches ahead of training
-        (AReaL's eta), counting each group generating as the informative fraction estimated so far."""
+        (AReaL's eta), counting each group generating as the informative fraction estimated so far, and each batch
+        handed out but not trained yet (asynchronous) as a whole batch."""
         st = self._step
         p = self._informative_estimate()
-        ahead = len(st.batch) + len(st.surplus) + len(self.carry) + p * len(self.flight)
+        ahead = self.untrained_batches * self.cfg.train_batch_size
+        ahead += len(st.batch) + len(st.surplus) + len(self.carry) + p * len(self.flight)
         return math.floor(((1 + self.cfg.max_staleness) * self.cfg.train_batch_size - ahead) / p + 1e-9)
 
     @property

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from megatron_dapo.config import SamplerConfig
+from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.sampling.scheduler import SamplingScheduler
 from megatron_dapo.sampling.sim.engines import EngineModel, EnginePool
 from megatron_dapo.sampling.sim.workload import Workload
@@ -110,6 +111,8 @@ class StepRecord:
     """Of the step's exploration visits (generated prompts the record predicted uninformative), the uninformative share."""
     informative_frac_before: float = float("nan")
     """The informative fraction had nothing been skipped (Horvitz-Thompson estimate; = informative_frac without skip)."""
+    train_tokens: float = 0.0
+    """Tokens the step's batch trains: every response, all versions, with its prompt (batch_tokens)."""
 
 
 @dataclass
@@ -171,19 +174,20 @@ SYNC_S = 10.0
 a few seconds at tens of GB/s; engines are asleep meanwhile, so it only adds to the wall clock."""
 
 
-def floor_seconds(
-    engine: EngineModel, workload: Workload, *, batch: int, num_engines: int, steps: int, seed: int = 42
-) -> list[float]:
-    """Per step, the floor of generating `batch` informative groups drawn from `workload` (module docstring).
+def batch_tokens(batch: list[GroupMeta], workload: Workload) -> float:
+    """Tokens a batch trains: every response (all versions) with its prompt."""
+    return float(sum(g.tokens + len(g.lengths) * int(workload.prompts[g.index]) for g in batch))
 
-    Engine-seconds: T / max_num_seqs decode steps' overhead and weight read for T tokens (not rounded up), every
-    token's context read and compute, each group's prompt prefilled once (the prefix cache serves the other samples);
-    divided by the engines."""
+
+def floor_draws(engine: EngineModel, workload: Workload, *, batch: int, steps: int, seed: int = 42):
+    """Per step, `batch` informative groups drawn from `workload`: (engine-seconds of generating them at the floor,
+    their tokens with prompts). Engine-seconds: T / max_num_seqs decode steps' overhead and weight read for T tokens
+    (not rounded up), every token's context read and compute, each group's prompt prefilled once (the prefix cache
+    serves the other samples)."""
     m = engine
     rng = np.random.default_rng([seed, 7])
-    out = []
     for _ in range(steps):
-        tokens = ctx_read = prefill = 0.0
+        tokens = ctx_read = prefill = prompts = 0.0
         found = 0
         while found < batch:
             prompt = int(rng.integers(workload.num_prompts))
@@ -195,14 +199,22 @@ def floor_seconds(
             tokens += float(lengths.sum())
             ctx_read += float((lengths * p + lengths * (lengths - 1) / 2).sum())
             prefill += p
+            prompts += p * len(lengths)
         engine_s = (
             tokens / m.max_num_seqs * (m.overhead_s + m.weight_read_s)
             + ctx_read * m.kv_read_s_per_token
             + tokens * m.compute_s_per_seq
             + prefill * m.prefill_s_per_token
         )
-        out.append(engine_s / num_engines)
-    return out
+        yield engine_s, tokens + prompts
+
+
+def floor_seconds(
+    engine: EngineModel, workload: Workload, *, batch: int, num_engines: int, steps: int, seed: int = 42
+) -> list[float]:
+    """Per step, the floor of generating `batch` informative groups drawn from `workload` on num_engines engines
+    (module docstring; floor_draws)."""
+    return [e / num_engines for e, _ in floor_draws(engine, workload, batch=batch, steps=steps, seed=seed)]
 
 
 def simulate(
@@ -285,6 +297,7 @@ def simulate(
                 informative_frac_before=s.get(
                     "skip/informative_frac_before", s.get("sampler/informative_frac", float("nan"))
                 ),
+                train_tokens=batch_tokens(result.batch, workload),
             )
         )
     wl = asdict(workload) | {"beta_a": workload.beta_a, "mu": workload.mu}

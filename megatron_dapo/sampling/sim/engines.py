@@ -171,6 +171,9 @@ class EnginePool:
         """Resumed groups with nothing left to generate: reported finished by the next tick."""
         self.admissions = 0
         self.version = 0
+        self.continuing = False
+        """Asynchronous pipeline: a group paused at a batch boundary keeps generating (its KV cache and place in the
+        engine kept: nothing stops, nothing is re-prefilled); stop() and settle() only account for it."""
 
     def _grow(self) -> None:
         old = len(self.state)
@@ -191,6 +194,8 @@ class EnginePool:
             self.groups[sub.key] = g
             if g.left == 0:  # finished before it was observed: the engine returns it at its next step
                 self.complete.append(sub.key)
+            if self.continuing:  # never stopped: its samples are where they were
+                return
             first = True
             for s in g.slots:
                 if self.state[s] == _HELD:  # unfinished: re-prefill prompt (once per group) + its tokens
@@ -326,15 +331,16 @@ class EnginePool:
 
     def stop(self, keys: dict[int, bool]) -> dict[int, Stopped]:
         """Take the stopped groups off their engines; report what each had (Stopped), keeping their tokens."""
-        stopping = set(keys)
+        stopping = {key for key, keep in keys.items() if not (keep and self.continuing)}
         for e in range(self.n):
             if any(int(self.key[w[0]]) in stopping for w in self.waiting[e]):
                 self.waiting[e] = deque(w for w in self.waiting[e] if int(self.key[w[0]]) not in stopping)
         out = {}
         for key in keys:  # still generating, or finished in the last tick and not observed yet
             g = self.groups[key]
-            live = g.slots[self.state[g.slots] != _DONE]
-            self.state[live] = _HELD
+            if key in stopping:
+                live = g.slots[self.state[g.slots] != _DONE]
+                self.state[live] = _HELD
             total = int(self.gen[g.slots].sum())
             now = int((self.gen[g.slots] - self.gen0[g.slots]).sum())
             out[key] = Stopped(tokens=total, tokens_now=now, first_version=g.first_version if total else None)
