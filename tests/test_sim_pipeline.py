@@ -133,3 +133,14 @@ def test_bench_async_quick(capsys, monkeypatch):
     assert all(cell[n]["as written"] > cell["busy floor"]["as written"] for n in cell if n != "busy floor")
     text = capsys.readouterr().out
     assert "best async / busy floor (goal 1.05)" in text and "best async / verl fill drop" in text
+
+
+def test_without_the_tick_barrier_a_step_is_no_slower():
+    """barrier=False (a tick lasts the engines' mean time) bounds a controller without a barrier from below: never
+    slower, and faster where generation bounds the step (engines finish their ticks at different times)."""
+    t = TrainModel().scaled(flops=100.0)
+    with_barrier = run(2, t).step_seconds()
+    without = simulate_async(
+        async_row(BASE, 2), engine(), workload(), t, rollout_gpus=16, train_gpus=16, steps=5, barrier=False
+    ).step_seconds()
+    assert without < with_barrier

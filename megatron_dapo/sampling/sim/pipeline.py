@@ -11,7 +11,7 @@ group still generating at a batch boundary keeps generating (EnginePool.continui
 trainer takes batch k when it is full and the trainer is free, trains it (training.py), and the engines stop for
 the refit at their first tick after the training ends; the trainer waits for the refit too. When admission holds
 every start back and nothing is generating, the engines idle until the next refit. Ticks keep the simulator's
-barrier (engines.py), as in the colocated stream rows.
+barrier (engines.py), as in the colocated stream rows, unless barrier=False (an optimistic bound without one).
 
 Seconds per step: the trainer's steady rate, (end of the last measured refit - end of the last warm-up refit) /
 measured steps. Staleness of a trained group: the batch's index (the weight version that trains it) minus the
@@ -83,9 +83,13 @@ def simulate_async(
     steps: int = 12,
     warmup: int = 2,
     seed: int = 42,
+    barrier: bool = True,
 ) -> AsyncResult:
     """`warmup + steps` batches through the asynchronous pipeline (module docstring). row.sampler must be stream
-    with partial rollout and admission (drop_stale off): a group is never stopped at a batch boundary."""
+    with partial rollout and admission (drop_stale off): a group is never stopped at a batch boundary.
+
+    barrier=False: a tick lasts the engines' mean time, not the slowest one's, as if no engine ever waited for
+    another: an optimistic bound for a controller without a tick barrier (the issue's design)."""
     s = row.sampler
     if not (s.mode == "stream" and s.partial_rollout and not s.drop_stale):
         raise ValueError(f"row {row.name!r}: the asynchronous pipeline runs stream + partial_rollout with admission")
@@ -120,7 +124,7 @@ def simulate_async(
                     raise RuntimeError(f"{row.name}: nothing generates, nothing trains (a scheduler stall)")
                 out.engine_idle_s += max(0.0, trained_at[len(applied)] - clock)
                 clock = max(clock, trained_at[len(applied)])  # admission waits for the trainer
-            clock += t.time_s
+            clock += t.time_s if barrier else float(t.engine_s.mean())
             busy += float(t.engine_s.sum())
             sched.observe(pool.collect(pending), pool.unfinished())
             pending = t.finished
