@@ -40,12 +40,11 @@ from megatron_dapo.sampling.sim.engines import EngineModel
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
 from megatron_dapo.sampling.sim.pipeline import async_row, busy_floor_seconds, colocated_step_seconds, simulate_async
 from megatron_dapo.sampling.sim.training import TrainModel
+from megatron_dapo.sampling.sim.workload import LENGTH_REGIMES as REGIMES
 from megatron_dapo.sampling.sim.workload import Workload
 
 log = tool_log("bench_async")
 
-REGIMES = {"late": 4500.0, "early": 2000.0}
-"""Mean response length (tokens) of each length regime: the sampler benchmark's (tools/bench_sampler.py)."""
 VARIANTS = {"as written": (1.0, 1.0), "flops x0.5": (0.5, 1.0), "flops x2": (2.0, 1.0)}
 VARIANTS |= {"refit x0.5": (1.0, 0.5), "refit x2": (1.0, 2.0)}
 """Column: (training-rate factor, refit-rate factor)."""

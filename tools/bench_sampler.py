@@ -63,12 +63,11 @@ from megatron_dapo.sampling.sim.calibration import cpu_form_fit, fit_h100_calibr
 from megatron_dapo.sampling.sim.driver import SYNC_S, floor_seconds, memory_rows, paper_rows, simulate
 from megatron_dapo.sampling.sim.engines import EngineModel, calibration_summary
 from megatron_dapo.sampling.sim.hardware import QWEN25_32B
+from megatron_dapo.sampling.sim.workload import LENGTH_REGIMES as REGIMES
 from megatron_dapo.sampling.sim.workload import Workload
 
 log = tool_log("bench_sampler")
 
-REGIMES = {"late": 4500.0, "early": 2000.0}
-"""Mean response length (tokens, after the 20,480 cap) of each length regime."""
 PS = (0.1, 0.25, 0.5, 0.8)
 GROUP = 16
 

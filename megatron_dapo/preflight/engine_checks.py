@@ -216,6 +216,10 @@ def check_inflight_update(ctx: dict) -> Result:
         return _inflight_update(Path(tmp))
 
 
+def _mean(xs: list) -> float:
+    return sum(xs) / max(1, len(xs))
+
+
 def _inflight_update(tmp: Path) -> Result:
     """Groups stream, a new policy arrives after `k` engine steps, the groups finish under it. Each token is scored
     by both policies (transformers, float32 over the engine's bf16-rounded weights): a token tagged with a version
@@ -292,25 +296,22 @@ def _inflight_update(tmp: Path) -> Result:
                         near[v] += (got[sel] - ref[v][sel]).abs().tolist()
                         far[v] += (got[sel] - ref[1 - v][sel]).abs().tolist()
 
-            def mean(xs: list) -> float:
-                return sum(xs) / max(1, len(xs))
-
             n_out[f"{tag}_pause_s"] = round(pause["pause_s"], 4)
             n_out[f"{tag}_groups_in_flight"] = left
             n_out[f"{tag}_tokens_v0_v1"] = f"{len(near[0])}/{len(near[1])}"
             for v in (0, 1):
-                n_out[f"{tag}_v{v}_own_mean"] = float(f"{mean(near[v]):.3g}")
-                n_out[f"{tag}_v{v}_other_mean"] = float(f"{mean(far[v]):.3g}")
+                n_out[f"{tag}_v{v}_own_mean"] = float(f"{_mean(near[v]):.3g}")
+                n_out[f"{tag}_v{v}_other_mean"] = float(f"{_mean(far[v]):.3g}")
             if bad_tags:
                 problems.append(f"{tag}: {bad_tags} samples whose versions are not 0s then 1s")
             if not near[1]:
                 problems.append(f"{tag}: no token was sampled after the update (it did not land mid-generation)")
             checked = (0, 1) if recompute_kv else (0,)
             for v in checked:
-                if mean(near[v]) > 0.2 * mean(far[v]):
+                if _mean(near[v]) > 0.2 * _mean(far[v]):
                     problems.append(
-                        f"{tag}: tokens tagged {v} are {mean(near[v]):.3g} from their policy's logprob and "
-                        f"{mean(far[v]):.3g} from the other's: not the tagged policy's"
+                        f"{tag}: tokens tagged {v} are {_mean(near[v]):.3g} from their policy's logprob and "
+                        f"{_mean(far[v]):.3g} from the other's: not the tagged policy's"
                     )
             engine.update_weights(old.items())  # back to the first policy for the next case
             engine.finish_weight_update()

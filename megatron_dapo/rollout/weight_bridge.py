@@ -26,8 +26,7 @@ from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
 from megatron_dapo.rollout.quantize import encode
-
-Bucket = list[tuple[str, torch.Tensor]]
+from megatron_dapo.rollout.weight_transport import Bucket
 
 
 class WeightBridge:

@@ -24,6 +24,7 @@ its bytes); then an empty list. An object travels pickled, as its length then it
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from datetime import timedelta
@@ -33,10 +34,14 @@ import torch
 import torch.distributed as dist
 
 Bucket = list[tuple[str, torch.Tensor]]
+"""Hugging Face (name, full tensor) pairs: what WeightBridge yields and a sender sends, one buffer at a time."""
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-}
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPES = {_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
 
 
 class TransportGroup:
@@ -99,9 +104,9 @@ class WeightSender:
         if self.group is None or not bucket:
             return
         for name, t in bucket:
-            if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            if _dtype_name(t.dtype) not in _DTYPES:
                 raise ValueError(f"weight transport: tensor '{name}' has dtype {t.dtype}; sends {sorted(_DTYPES)}")
-        specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in bucket]
+        specs = [(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]
         self.group.broadcast_object(specs, self.group.rank)
         size = sum(_padded(t.numel() * t.element_size()) for _, t in bucket)
         flat = torch.zeros(size, dtype=torch.uint8, device=self.group.device)
@@ -155,7 +160,7 @@ class WeightReceiver:
             if not specs:
                 self._open = False
                 return
-            sizes = [_DTYPES[d].itemsize * _numel(shape) for _, d, shape in specs]
+            sizes = [_DTYPES[d].itemsize * math.prod(shape) for _, d, shape in specs]
             flat = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(flat, self.src)
             at = 0
@@ -167,10 +172,3 @@ class WeightReceiver:
 def _padded(nbytes: int) -> int:
     """Each tensor starts 16-byte aligned in a bucket's buffer, so its bytes view back as its own dtype."""
     return -(-nbytes // 16) * 16
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from megatron_dapo.config import SamplerConfig
-from megatron_dapo.sampling.records import GroupMeta
+from megatron_dapo.sampling.records import GroupMeta, StepResult
 from megatron_dapo.sampling.scheduler import SamplingScheduler
 from megatron_dapo.sampling.sim.engines import EngineModel, EnginePool
 from megatron_dapo.sampling.sim.workload import Workload
@@ -174,6 +174,15 @@ SYNC_S = 10.0
 a few seconds at tens of GB/s; engines are asleep meanwhile, so it only adds to the wall clock."""
 
 
+def end_step(sched: SamplingScheduler, pool: EnginePool) -> StepResult:
+    """Close the scheduler's step: the engines stop (or, continuing, keep) its groups still in flight, the scheduler
+    settles them, and the engines keep the paused groups' tokens."""
+    stopped = pool.stop(sched.close_step())
+    result = sched.settle(stopped)
+    pool.settle(stopped, {p.key for p in sched.paused})
+    return result
+
+
 def batch_tokens(batch: list[GroupMeta], workload: Workload) -> float:
     """Tokens a batch trains: every response (all versions) with its prompt."""
     return float(sum(g.tokens + len(g.lengths) * int(workload.prompts[g.index]) for g in batch))
@@ -265,9 +274,7 @@ def simulate(
             preempted += t.preempted
             sched.observe(pool.collect(pending), pool.unfinished())
             pending = t.finished
-        stopped = pool.stop(sched.close_step())
-        result = sched.settle(stopped)
-        pool.settle(stopped, {p.key for p in sched.paused})
+        result = end_step(sched, pool)
         s = result.stats
         records.append(
             StepRecord(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from megatron_dapo.sampling.scheduler import SamplingScheduler
-from megatron_dapo.sampling.sim.driver import Row, batch_tokens, floor_draws
+from megatron_dapo.sampling.sim.driver import Row, batch_tokens, end_step, floor_draws
 from megatron_dapo.sampling.sim.engines import EngineModel, EnginePool
 from megatron_dapo.sampling.sim.training import TrainModel
 from megatron_dapo.sampling.sim.workload import Workload
@@ -128,9 +128,7 @@ def simulate_async(
             busy += float(t.engine_s.sum())
             sched.observe(pool.collect(pending), pool.unfinished())
             pending = t.finished
-        stopped = pool.stop(sched.close_step())
-        result = sched.settle(stopped)
-        pool.settle(stopped, {p.key for p in sched.paused})
+        result = end_step(sched, pool)
         start = max(clock, trainer_free)
         end = start + train.train_seconds(batch_tokens(result.batch, workload), train_gpus)
         trained_at.append(end)

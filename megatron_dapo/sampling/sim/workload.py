@@ -27,6 +27,10 @@ from functools import cached_property
 
 import numpy as np
 
+LENGTH_REGIMES = {"late": 4500.0, "early": 2000.0}
+"""Mean response length (tokens, after the 20,480 cap) of the benchmarks' two regimes: late and early in the paper's
+run (tools/bench_sampler.py, tools/bench_async.py)."""
+
 
 def _phi(x: float) -> float:
     """Standard normal CDF."""
