@@ -97,15 +97,3 @@ def __getattr__(name: str):
         while True:
             signal.pause()
     raise AttributeError(name)
-
-
-_GROUPS_SEEN = 0
-
-
-def crashes_after_twenty_groups(group) -> bool:
-    """A sampler.filter that keeps groups with mixed results and raises at the 21st group: a run that crashes mid-way."""
-    global _GROUPS_SEEN
-    _GROUPS_SEEN += 1
-    if _GROUPS_SEEN > 20:
-        raise RuntimeError("planned crash in the 21st group (tests/reward_helpers.py)")
-    return 0 < sum(group.acc) < len(group.acc)

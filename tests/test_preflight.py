@@ -20,7 +20,9 @@ from megatron_dapo.preflight.pieces import plan_pieces, reassemble, write_pieces
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
-CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge", "bridge_fp8")
+CPU_CHECKS = ("env", "kernel_equality", "train_tiny", "determinism", "bridge_fp8")
+"""The CPU checks the test runs. `bridge` is left to the GPU runs: on CPU it is bridge_fp8's code path with fp32
+weights, whose Megatron -> vLLM parity tests/test_rollout_sync.py proves (at TP 2 and PP 2)."""
 GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "inflight_update", "train_e2e", "te")
 
 
@@ -53,16 +55,18 @@ def test_a_train_variant_out_of_gpu_memory_is_reported_not_fatal():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU subset: which checks run and which skip")
 def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_path):
     out = tmp_path / "pf.json"
+    checks = [c.name for c in preflight.CHECKS if c.name != "bridge"]
     proc = subprocess.run(
-        [sys.executable, str(TOOLS / "preflight.py"), "--fast", "--json", str(out)],
+        [sys.executable, str(TOOLS / "preflight.py"), "--fast", "--only", ",".join(checks), "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == [c.name for c in preflight.CHECKS]  # every check has its row, in order
+    failed = {name: r["reason"] for name, r in rows.items() if r["status"] == "fail"}  # whole: the seed comes first
+    assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:] + proc.stderr[-3000:])
+    assert list(rows) == checks  # every check asked for has its row, in order
     for name in CPU_CHECKS:
         assert rows[name]["status"] == "pass", (name, rows[name]["reason"], rows[name]["log_tail"][-2000:])
     for name in GPU_CHECKS:
@@ -72,12 +76,10 @@ def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_p
     train = rows["train_tiny"]["numbers"]
     assert train["mfu"] > 0 and train["selective_mfu"] > 0 and train["recompute_mfu"] > 0
     assert rows["determinism"]["numbers"]["identical_steps"] == "2/2"
-    bridge = rows["bridge"]["numbers"]
-    assert bridge["after_max"] <= 1e-3 and bridge["before_max"] <= 1e-3  # fp32 engine vs Megatron, same tokens
-    assert bridge["stale_mean"] > 100 * bridge["after_mean"]  # the check sees a sync that did not happen
-    assert bridge["weights"] == "none" and bridge["gen_tokens_per_s"] > 0
     fp8 = rows["bridge_fp8"]["numbers"]  # CPU: the engine holds the FP8-rounded weights; the rounding shows
-    assert fp8["weights"] == "fp8_rounded" and fp8["after_mean"] > 10 * bridge["after_mean"] and fp8["quantize_s"] > 0
+    assert fp8["weights"] == "fp8_rounded" and fp8["after_mean"] > 1e-3 and fp8["quantize_s"] > 0  # fp32: < 1e-4
+    assert fp8["stale_mean"] > 5 * fp8["after_mean"]  # the check sees a sync that did not happen
+    assert fp8["gen_tokens_per_s"] > 0 and fp8["sync_gb"] > 0
     assert report["summary"] == {"pass": len(CPU_CHECKS), "fail": 0, "skip": len(GPU_CHECKS)}
     for name in rows:  # the table printed every row
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name

@@ -207,15 +207,14 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
 
 @pytest.mark.slow
 def test_bench_throughput_fp8_rows(tmp_path):
-    """rollout.quantization=fp8: CPU rounds the engine's weights (the mismatch shows it); without an engine the sync
-    sends what a GPU engine asks for: FP8 projections plus float32 scales, everything else in fp32."""
+    """rollout.quantization=fp8 without an engine: the sync sends what a GPU engine asks for, FP8 projections plus
+    float32 scales, everything else in fp32. (A CPU engine's FP8-rounded weights and the mismatch they show are the
+    same code under the preflight's bridge_fp8 row and the trainer's fp8 run: tests/test_preflight.py,
+    tests/test_trainer.py.)"""
     from safetensors import safe_open
 
     from megatron_dapo.rollout.quantize import is_quantized, scale_shape
 
-    got = _bench(tmp_path, *SMALL_RUN, "--parts", "rollout,sync", "rollout.quantization=fp8")
-    assert got["rollout_weights"] == "fp8_rounded"
-    assert got["rollout_logp_mismatch_mean"] > 1e-3 and got["rollout_kl"] > 0 and got["sync_quantize_s"] > 0
     no_vllm = "sys.modules['vllm'] = None"
     sink = _bench(tmp_path, *SMALL_RUN, "--parts", "sync", "rollout.quantization=fp8", prelude=no_vllm)
     assert sink["rollout_weights"] == "fp8" and sink["sync_quantize_s"] > 0

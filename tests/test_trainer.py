@@ -250,25 +250,6 @@ def test_two_rollout_steps_end_to_end(two_steps):
 
 
 @pytest.mark.slow
-def test_fp8_rollouts_turn_truncated_is_on_and_log_the_mismatch(two_steps, tmp_path):
-    """rollout.quantization=fp8 on CPU: the engine generates with FP8-rounded weights, Megatron trains in fp32."""
-    overrides, _, _ = two_steps
-    run = tmp_path / "fp8"
-    # a cap of 1 (rollout.quantization_tis_cap; algorithm.tis_cap stays null) caps the tokens the engine
-    # under-weights, so the capped fraction is measurable on one step; one update, from the weights that sampled
-    fp8 = ["rollout.quantization=fp8", "rollout.quantization_tis_cap=1.0", "trainer.total_steps=1", "eval.every=0",
-           "optim.mini_batch_size=16"]  # fmt: skip
-    proc = _train([*overrides, *fp8, f"trainer.run_dir={run}"])
-    [m] = metrics(run)
-    assert m["rollout/logp_mismatch_mean"] > 1e-3 and m["rollout/kl"] > 0  # the rounding shows
-    # the only update starts from the weights that sampled: old_logp is the policy's own (ratio 1), not the engine's
-    assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and m["actor/approx_kl"] == pytest.approx(0, abs=1e-9)
-    assert 0 < m["rollout/tis_capped_frac"] < 1
-    assert m["weight_sync/quantize_seconds"] > 0
-    assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
-
-
-@pytest.mark.slow
 def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tmp_path):
     """torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, fed groups on demand by the scheduler.
 
@@ -309,12 +290,15 @@ def test_data_parallel_run_matches_the_one_process_run_and_resumes(two_steps, tm
 
 
 @pytest.mark.slow
-def test_a_loss_not_finite_in_max_nan_in_a_row_steps_stops_the_run_which_resumes(two_steps, tmp_path):
+def test_nan_losses_stop_the_run_which_resumes_with_fp8_rollouts(two_steps, tmp_path):
     """Resumed from two_steps' step 1 with rollout.temperature=1e-40, which overflows the policy's fp32 logits /
     temperature (vLLM samples greedily below 1e-5): every step's loss is NaN and its updates are skipped. With
     trainer.max_nan_in_a_row=2, step 2 (one in a row) goes on and is saved, step 3 stops the run with
     FloatingPointError (not a user error: the traceback stays), nothing left running. Resumed from step 2 at
-    temperature 1, step 3 trains and the count starts again from 0."""
+    temperature 1, step 3 trains and the count starts again from 0.
+
+    That last launch also runs rollout.quantization=fp8 (one launch proving both): on CPU the engine generates
+    with FP8-rounded weights while Megatron trains in fp32, which turns truncated IS on and shows in the mismatch."""
     overrides, ref_run, _ = two_steps
     run = tmp_path / "run"
     shutil.copytree(ref_run / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000001")
@@ -341,11 +325,21 @@ def test_a_loss_not_finite_in_max_nan_in_a_row_steps_stops_the_run_which_resumes
 
     assert nan_in_a_row(2) == 1
     fixed = ["trainer.max_nan_in_a_row=2", "trainer.total_steps=3", "eval.every=0"]  # temperature 1 again
-    _train([*overrides, *fixed, f"trainer.run_dir={run}"])
+    # a cap of 1 (rollout.quantization_tis_cap; algorithm.tis_cap stays null) caps the tokens the engine
+    # under-weights, so the capped fraction is measurable on one step; one update, from the weights that sampled
+    fp8 = ["rollout.quantization=fp8", "rollout.quantization_tis_cap=1.0", "optim.mini_batch_size=16"]
+    proc = _train([*overrides, *fixed, *fp8, f"trainer.run_dir={run}"])
     resumed = metrics(run)
     assert [x["step"] for x in resumed] == [2.0, 3.0] and resumed[1]["trainer/nan_skipped_updates"] == 0
-    assert resumed[1]["trainer/optimizer_steps"] == 4 and nan_in_a_row(3) == 0
+    assert resumed[1]["trainer/optimizer_steps"] == 3 and nan_in_a_row(3) == 0  # 2 skipped before, 1 now
     assert (run / "FINISHED").read_text().strip() == "3"
+    m = resumed[1]
+    assert m["rollout/logp_mismatch_mean"] > 1e-3 and m["rollout/kl"] > 0  # the FP8 rounding shows
+    # the only update starts from the weights that sampled: old_logp is the policy's own (ratio 1), not the engine's
+    assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and m["actor/approx_kl"] == pytest.approx(0, abs=1e-9)
+    assert 0 < m["rollout/tis_capped_frac"] < 1
+    assert m["weight_sync/quantize_seconds"] > 0
+    assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
 
 
 def _ends_early(model_dir: Path) -> Path:
