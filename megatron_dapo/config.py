@@ -561,6 +561,28 @@ class EvalConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Where generation and training run (issue 27; docs/async.md): colocated on the same processes, or split."""
+
+    mode: str = "colocated"
+    """colocated: every process trains and generates in turn (the default); async: the first
+    pipeline.rollout_gpus processes run the engines and the rollout controller, the others train,
+    batches and weights travel between them (docs/async.md). Built so far: sampler.max_staleness=0,
+    where async takes the colocated run's steps exactly."""
+    rollout_gpus: int = 1
+    """async: processes (GPUs) of the rollout side, a multiple of rollout.tp; the train side is the
+    rest of the job's processes."""
+    recompute_kv: bool = True
+    """async: a weight update arriving while groups generate re-reads their context under the new
+    weights; false keeps the KV cache the old weights computed."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        _check(self.mode in ("colocated", "async"), "pipeline.mode", self.mode, "colocated or async")
+        _check(self.rollout_gpus >= 1, "pipeline.rollout_gpus", self.rollout_gpus, "an integer >= 1")
+
+
+@dataclass
 class Config:
     """The root of the tree."""
 
@@ -588,6 +610,8 @@ class Config:
     """See TrainerConfig."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """See EvalConfig."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """See PipelineConfig."""
 
     def tis_cap(self) -> Optional[float]:
         """The truncated-IS cap in force: algorithm.tis_cap, else rollout.quantization_tis_cap with FP8 rollouts."""
@@ -637,6 +661,21 @@ class Config:
                 self.data.val_files,
                 "files to evaluate on (eval.every > 0)",
             )
+        if self.pipeline.mode == "async":
+            _check(
+                s.max_staleness == 0,
+                "sampler.max_staleness",
+                s.max_staleness,
+                "0 with pipeline.mode=async (weight updates in flight, eta >= 1, are not built yet: docs/async.md)",
+            )
+            _check(self.eval.every == 0, "eval.every", self.eval.every, "0 with pipeline.mode=async (not built yet)")
+            if r.tp is not None:
+                _check(
+                    self.pipeline.rollout_gpus % r.tp == 0,
+                    "pipeline.rollout_gpus",
+                    self.pipeline.rollout_gpus,
+                    f"a multiple of rollout.tp={r.tp}: each engine spans rollout.tp processes",
+                )
         responses = s.train_batch_size * a.group_size
         if s.mode != "dynamic_bs" and s.on_shortfall == "error":
             _check(

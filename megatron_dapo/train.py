@@ -167,10 +167,30 @@ def progress_line(m: dict[str, Any]) -> str:
     )
 
 
-def train(config: str | None, overrides: list[str]) -> None:
+def train(config: str | None, overrides: list[str], nproc: int | None = None) -> int | None:
     from megatron_dapo.config import load_config
 
     cfg = load_config(config, overrides)
+    if cfg.pipeline.mode == "async":
+        from megatron_dapo.config import ConfigError
+        from megatron_dapo.sampling.controller import ROLE_ENV, Transport
+
+        role = os.environ.get(ROLE_ENV)
+        if role is None:  # this process starts both sides and waits for them
+            from megatron_dapo.launch import run_async_local
+
+            return run_async_local(config, overrides, cfg, nproc)
+        if role in ("rollout", "train"):
+            Transport.from_env()  # where the sides meet, checked before either builds anything
+        if role == "rollout":  # stop signals are the train side's: it saves, then stops the controller
+            from megatron_dapo.sampling.controller import run_rollout
+
+            for sig in StopSignals.SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            run_rollout(cfg)
+            return None
+        if role != "train":
+            raise ConfigError(f"{ROLE_ENV}={role!r}: expected rollout or train (pipeline.mode=async)")
     stop = StopSignals()
     if os.environ.get("RANK", "0") == "0":
         log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)
@@ -217,10 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argument_parser(__doc__)
     ap.add_argument("--config", default=None, help="YAML config file (defaults: the paper's values)")
     ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="pipeline.mode=async started here: processes in all, the rollout side's included (default: "
+        "pipeline.rollout_gpus + 1)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options before, between or after the overrides
     quiet_libraries(args.debug)
-    return run_cli(lambda: train(args.config, args.overrides), args.debug)
+    return run_cli(lambda: train(args.config, args.overrides, args.nproc), args.debug)
 
 
 if __name__ == "__main__":

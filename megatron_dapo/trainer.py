@@ -163,40 +163,52 @@ class Trainer:
         self.engine_id = self.layout.rank // self.rollout_tp  # vLLM groups consecutive ranks into an engine
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         self.policy = MegatronPolicy(cfg, self.arch, self.layout, LazyMegatronWeights(SafetensorsReader(hf), self.arch))
-        self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.pool = RewardPool.from_config(cfg.reward)
-        self.scorer = ShardedScorer(
-            self.pool, self.layout.rank, self.layout.world_size
-        )  # evaluation; training rollouts are scored by their engine's rank
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
-        self.loader = DynamicSamplingLoader(
-            cfg,
-            self.dataset,
-            {self.engine_id: self.engine},
-            self.pool,
-            num_engines=self.num_engines,
-            owned={self.engine_id} if self.layout.rank % self.rollout_tp == 0 else set(),
-            comm=self.comm,
-            stop_token_ids=[self.tokenizer.eos_token_id],
-        )
+        self.engine = self.pool = self.remote = None
+        if cfg.pipeline.mode == "async":  # the engines and the loader live in the rollout process
+            from megatron_dapo.sampling.controller import RemoteRollout, Transport
+
+            self.remote = RemoteRollout(Transport.from_env(), self.layout.rank)
+            self.loader: Any = self.remote
+        else:
+            self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
+            self.pool = RewardPool.from_config(cfg.reward)
+            self.scorer = ShardedScorer(
+                self.pool, self.layout.rank, self.layout.world_size
+            )  # evaluation; training rollouts are scored by their engine's rank
+            self.loader = DynamicSamplingLoader(
+                cfg,
+                self.dataset,
+                {self.engine_id: self.engine},
+                self.pool,
+                num_engines=self.num_engines,
+                owned={self.engine_id} if self.layout.rank % self.rollout_tp == 0 else set(),
+                comm=self.comm,
+                stop_token_ids=[self.tokenizer.eos_token_id],
+            )
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self.gen_rounds = 0
         self.nan_in_a_row = 0
         self._val_prompts: list[Prompt] | None = None
-        self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
+        if self.engine is not None:
+            self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
+        resume_from = None
         if cfg.trainer.resume:
             state = self.checkpoints.load(self.policy)
             if state is not None:
                 self.step = state["step"]
                 self.load_state_dict(state["trainer"])
+                resume_from = state["trainer"]["loader"]
                 if self.layout.rank == 0:
                     log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
-        self.bridge.sync(self.engine)  # the engine started from dummy weights
+        if self.remote is not None:
+            self.remote.start(resume_from)
+        self._sync()  # the engine started from dummy weights
 
     # ---------------------------------------------------------------- rollout
 
@@ -239,18 +251,28 @@ class Trainer:
         size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
         per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
         mine = per_dp[self.layout.dp_rank]
-        responses, sent = deliver(
-            self.comm,
-            batch.groups,
-            batch.local,
-            owner_rank=lambda g: g.engine * self.rollout_tp,  # an engine's first rank holds its groups
-            wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb],
-        )
+        if self.remote is not None:  # the controller sent every response to every train rank
+            responses = {(key, j): r for key, group in batch.local.items() for j, r in enumerate(group)}
+            sent = 0.0
+        else:
+            responses, sent = deliver(
+                self.comm,
+                batch.groups,
+                batch.local,
+                owner_rank=lambda g: g.engine * self.rollout_tp,  # an engine's first rank holds its groups
+                wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb],
+            )
         a = self.cfg.algorithm
         slices = [
             train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter) for ids in mine
         ]
         return slices, self.comm.sum([sent])[0]
+
+    def _sync(self) -> dict[str, float]:
+        """The policy's weights into the engines: this process's own, or the rollout process's (async)."""
+        if self.remote is not None:
+            return self.remote.send_weights(self.bridge, self.step)
+        return self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Rollout-vs-training mismatch over the step's tokens on every rank (each DP rank's slice counted once):
@@ -269,7 +291,8 @@ class Trainer:
         cfg, timer = self.cfg, PhaseTimer()
         with timer.phase("generate"):
             batch = self.loader.next_batch()
-            self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
+            if self.engine is not None:
+                self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
             self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         mini_batches, bytes_moved = self._samples(batch)
         temperature = cfg.rollout.temperature
@@ -294,8 +317,9 @@ class Trainer:
                     f"{self.checkpoints.root}"
                 )
         with timer.phase("sync"):
-            sync = self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
-            self.engine.wake()  # and its KV cache for the next rollout
+            sync = self._sync()
+            if self.engine is not None:
+                self.engine.wake()  # and its KV cache for the next rollout
         self.step += 1
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
@@ -354,11 +378,13 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds beside the model and optimizer (the step is the checkpoint's own)."""
-        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": self.loader.state_dict()}
+        loader = self.remote.state if self.remote is not None else self.loader.state_dict()
+        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": loader}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
-        self.loader.load_state_dict(state["loader"])
+        if self.remote is None:  # async: the controller loads it (RemoteRollout.start)
+            self.loader.load_state_dict(state["loader"])
 
     def save(self) -> Path:
         return self.checkpoints.save(self.policy, self.step, self.state_dict())
@@ -377,6 +403,8 @@ class Trainer:
         """The last call: the engine's shutdown takes torch.distributed's world with it. Safe on a half-built trainer."""
         from megatron_dapo.model.parallel import destroy_parallel
 
+        if getattr(self, "remote", None) is not None:
+            self.remote.close()
         if getattr(self, "pool", None) is not None:
             self.pool.close()
         if getattr(self, "engine", None) is not None:

@@ -401,6 +401,8 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
         "sampler.engine_sequences=40",
         "sampler.skip=true",
         "sampler.skip_adapt=1.0",  # the exploration probability drops to its floor after one step
+        "sampler.max_staleness=0",  # what pipeline.mode=async runs so far: the later launches run it
+        "trainer.progress_bar=false",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
     cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
@@ -415,12 +417,16 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
 @pytest.mark.slow
 def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
-    part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's):
+    part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's), and asynchronous
+    DAPO at eta = 0 (pipeline.mode=async: this process starts a rollout process and a train process) taking the
+    colocated run's steps, its checkpoints resumed either way:
 
-    1. SIGKILL lands in step 3 (no handler, no save): the next run resumes from step 2's checkpoint;
-    2. that run, saving nothing on its own (save_every=0), gets SIGTERM after step 3: it saves and exits 0, unfinished;
-    3. the last run resumes from the signal's checkpoint and finishes; its metrics, step for step, and the prompt
-       memory it saves at the end are the uninterrupted run's.
+    1. asynchronous: SIGKILL to the rollout process once step 2 is saved: the run stops at once, one error line,
+       the train side killed in step 3 (no handler, no save);
+    2. asynchronous, saving nothing on its own (save_every=0): resumes from step 2's checkpoint, gets SIGTERM after
+       step 3: the train side saves, stops the rollout controller, and the run exits 0, unfinished;
+    3. colocated: resumes from the signal's checkpoint and finishes; the metrics of all three, step for step, and
+       the prompt memory saved at the end are the uninterrupted colocated run's.
     """
     import signal
 
@@ -428,20 +434,26 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
     want = [comparable(m) for m in lines]
     assert sum(m["sampler/paused"] for m in lines) > 0  # the checkpoints hold groups in flight
     assert sum(m["sampler/carried_out"] for m in lines[:-1]) > 0  # and finished groups carried to the next step
-    assert sum(m["staleness/tokens_1"] for m in lines) > 0  # continued groups were trained a version later
+    assert sum(m.get("staleness/tokens_1", 0) for m in lines) > 0  # continued groups were trained a version later
     assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
+    split = "pipeline.mode=async"
     proc = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*cmd, f"trainer.run_dir={cut}", split], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), what="step 2's checkpoint", proc=proc)
-    proc.send_signal(signal.SIGKILL)  # whatever step 3 had done is lost
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1
+    assert err.splitlines()[-1] == (
+        f"error: the rollout process exited with status -9; the train side was stopped, its last complete "
+        f"checkpoint (if any) is in {cut}/checkpoints"
+    )
+    assert len(metrics(cut)) == 2  # step 3 is lost with the train side
 
     proc = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0"],
+        [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0", split],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -463,6 +475,8 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
     got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
     assert got == want
+    ran_async = [m["step"] <= stopped_at for m in lines]
+    assert [("weight_transport/gb" in m) for m in metrics(cut)] == ran_async  # the mode of the run that took it
     assert (cut / "FINISHED").read_text().strip() == "5"
 
     def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
@@ -509,6 +523,14 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
     for m in lines:  # the phases are timed apart and within the step
         phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
         assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
+
+
+def _child_with(pid: int, env_entry: str) -> int:
+    """The child process of pid whose environment holds env_entry (e.g. "DAPO_ROLE=rollout")."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = [int(c) for c in children if env_entry.encode() in Path(f"/proc/{c}/environ").read_bytes().split(b"\0")]
+    assert len(found) == 1, (pid, env_entry, children)
+    return found[0]
 
 
 def _session_survivors(sid: int) -> list[str]:
@@ -593,7 +615,7 @@ def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "FINISHED").exists()
 
 
-def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     """Each mistake in this process (all fail before anything starts), --debug in one subprocess."""
     import logging
     import signal
@@ -601,18 +623,25 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
 
     from megatron_dapo.train import main
 
-    cases = {
-        "seed=1": "error: config field model.hf_path is empty",  # no model given
-        "optim.lr=fast": "optim.lr",
-        f"model.hf_path={tmp_path / 'missing'}": str(tmp_path / "missing"),
-    }
+    split = ["pipeline.mode=async", "sampler.max_staleness=0"]
+    cases = [  # (arguments, environment, what the error line names)
+        (["seed=1"], {}, "error: config field model.hf_path is empty"),  # no model given
+        (["optim.lr=fast"], {}, "optim.lr"),
+        ([f"model.hf_path={tmp_path / 'missing'}"], {}, str(tmp_path / "missing")),
+        (["pipeline.mode=async"], {}, "sampler.max_staleness=1: expected 0 with pipeline.mode=async"),
+        (["--nproc", "1", *split], {}, "--nproc 1: expected more than pipeline.rollout_gpus=1"),
+        (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
+        (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),
+    ]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
     root = logging.getLogger()
     saved = root.level, list(root.handlers)
     try:
-        for override, message in cases.items():
-            with warnings.catch_warnings():  # main() sets the CLI's warning filters and logging
-                code = main([f"trainer.run_dir={tmp_path}", override])
+        for args, env, message in cases:
+            with monkeypatch.context() as m, warnings.catch_warnings():  # main() sets warning filters and logging
+                for k, v in env.items():
+                    m.setenv(k, v)
+                code = main([f"trainer.run_dir={tmp_path}", *args])
             lines = [x for x in capsys.readouterr().err.splitlines() if x.strip() and " INFO " not in x]
             assert code == 1 and len(lines) == 1, lines
             assert lines[0].startswith("error: ") and message in lines[0], lines

@@ -1,0 +1,99 @@
+"""Starting an asynchronous job's two sides on this machine (pipeline.mode=async; docs/async.md).
+
+`python -m megatron_dapo.train pipeline.mode=async ...` comes here: it starts one rollout process (the engine and
+the rollout controller) and the train side (one process, or torchrun with the rest of --nproc), tells them where to
+meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE), and waits. SIGTERM, SIGUSR1 and Ctrl-C
+go to the train side, which saves and stops the controller, as a colocated run saves and exits. The train side's
+exit status is the job's; a rollout process that dies ends the train side at once (its last complete checkpoint
+stays the one to resume from) with one error line. A Slurm job sets the same variables per srun step instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+
+ROLLOUT_EXIT_GRACE_S = 60.0
+"""After the train side has exited, how long the rollout process may take to stop before it is killed."""
+
+_WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p and p + 1 free now (the controller's two transport stores)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + 1 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no two consecutive free ports on {host}")
+
+
+def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
+    """Start both sides, forward stop signals to the train side, return its exit status (1 if the rollout died)."""
+    train_procs = (nproc or cfg.pipeline.rollout_gpus + 1) - cfg.pipeline.rollout_gpus
+    if train_procs < 1:
+        raise ConfigError(
+            f"--nproc {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
+        )
+    args = [*(["--config", config] if config else []), *overrides]
+    module = [sys.executable, "-m", "megatron_dapo.train", *args]
+    env = {k: v for k, v in os.environ.items() if k not in _WORLD_ENV}
+    env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
+    rollout_cmd = module
+    if train_procs == 1:
+        train_cmd = module
+    else:  # --standalone: a local rendezvous on a free port
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={train_procs}"]
+        train_cmd = [*torchrun, "-m", "megatron_dapo.train", *args]
+    # own sessions: a Ctrl-C at the terminal reaches this process only, which asks the train side to save
+    rollout = subprocess.Popen(rollout_cmd, env={**env, ROLE_ENV: "rollout"}, start_new_session=True)
+    train = subprocess.Popen(train_cmd, env={**env, ROLE_ENV: "train"}, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        if train.poll() is None:
+            train.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        while True:
+            if train.poll() is not None:
+                try:
+                    rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
+                except subprocess.TimeoutExpired:  # it waited on a train side that left mid-step
+                    os.killpg(rollout.pid, signal.SIGKILL)
+                    rollout.wait()
+                return train.returncode
+            if rollout.poll() is not None and rollout.returncode != 0:
+                os.killpg(train.pid, signal.SIGKILL)  # its checkpoints are complete or absent, never half written
+                train.wait()
+                print(
+                    f"error: the rollout process exited with status {rollout.returncode}; the train side was stopped, "
+                    f"its last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            time.sleep(0.2)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for proc in (train, rollout):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
