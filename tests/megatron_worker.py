@@ -167,12 +167,16 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
 
 
 def finish(policy, last: bool) -> None:
-    """The last job ends the world; any other frees its policy and Megatron's groups, keeping torch.distributed."""
+    """The last job ends the world (closing the engines first); any other frees its policy and Megatron's groups,
+    keeping torch.distributed and the engines for the next job."""
     from megatron.core import parallel_state
 
     from megatron_dapo.model.parallel import destroy_parallel
 
     if last:
+        for engine in _ENGINES.values():
+            engine.close()  # an in-process engine's shutdown destroys the torch.distributed world
+        _ENGINES.clear()
         destroy_parallel()
         return
     policy.close()
@@ -300,11 +304,19 @@ def bridge(policy, cfg, arch, layout) -> dict:
     }
 
 
+_ENGINES: dict = {}
+"""This rank's engines by (model directory, load format): built by the first job that asks, kept by the jobs of the
+launch (one vLLM start-up for all), closed by the last one (finish)."""
+
+
 def _engine(model_dir: str, load_format: str = "auto"):
     """This rank's in-process engine: every rank builds one (vLLM's set-up is collective over the world)."""
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
+    key = (model_dir, load_format)
+    if key not in _ENGINES:
+        _ENGINES[key] = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
+    return _ENGINES[key]
 
 
 def vllm_serve(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
@@ -313,7 +325,6 @@ def vllm_serve(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
     engine = _engine(model_dir, load_format="dummy")
     sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
     greedy = engine.generate([s.prompt_ids for s in samples], n=1, temperature=0.0, top_p=1.0, max_tokens=16)
-    engine.close()  # last: an in-process engine's shutdown destroys the torch.distributed world
     return {"greedy": [g[0].token_ids for g in greedy], "sync": sync, "megatron": "last stage"}
 
 
@@ -321,6 +332,8 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     engine = _engine(model_dir)
+    bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
+    bridge.sync(engine)  # this job's starting weights (an engine kept from an earlier job holds that job's)
     prompts = [s.prompt_ids for s in samples]
     greedy = dict(prompts=prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=12)
     sampled = dict(prompts=prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=7)
@@ -332,7 +345,7 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         for s, lp in zip(samples, first):
             s.old_logp = lp["logp"]
     metrics = policy.train_step(samples, 1.0)
-    sync = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes).sync(engine)
+    sync = bridge.sync(engine)
     after = engine.generate(**greedy)
     drawn = engine.generate(**sampled)
     # the policy (new weights) scores what the engine generated after the sync (the same on every rank: same
@@ -345,7 +358,6 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         for r in group
     ]
     megatron = policy.compute_logprobs(scored, 1.0)
-    engine.close()  # last: an in-process engine's shutdown destroys the torch.distributed world
     return {
         "before": [[r.token_ids for r in g] for g in before],
         "after": [[r.token_ids for r in g] for g in after],
