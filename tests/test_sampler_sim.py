@@ -181,6 +181,7 @@ def test_the_floor_is_below_every_row_and_is_its_formula():
     assert floor_seconds(m, w, batch=BATCH, num_engines=2 * ENGINES, steps=1)[0] == pytest.approx(floor[0] / 2)
 
 
+@pytest.mark.slow  # the tool end to end: make test-fast leaves it out
 def test_bench_tool_quick(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
     import bench_sampler

@@ -121,6 +121,7 @@ def test_bad_async_rows_are_refused():
         run(1, TrainModel(), rollout_gpus=10, train_gpus=22)
 
 
+@pytest.mark.slow  # the tool end to end: make test-fast leaves it out
 def test_bench_async_quick(capsys, monkeypatch):
     from pathlib import Path
 
