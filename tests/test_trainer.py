@@ -443,9 +443,10 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
         [*cmd, f"trainer.run_dir={cut}", split], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), what="step 2's checkpoint", proc=proc)
+    train_side = _child_with(proc.pid, "DAPO_ROLE=train")
     os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 1
+    assert proc.returncode == 1 and not Path(f"/proc/{train_side}").exists()  # ended with the rollout process
     assert err.splitlines()[-1] == (
         f"error: the rollout process exited with status -9; the train side was stopped, its last complete "
         f"checkpoint (if any) is in {cut}/checkpoints"
@@ -460,10 +461,12 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
         text=True,
     )
     wait_until(lambda: len(metrics(cut)) >= 3, what="step 3", proc=proc)
+    sides = [_child_with(proc.pid, f"DAPO_ROLE={role}") for role in ("rollout", "train")]
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
     assert "resumed from step 2" in err and "SIGTERM: saved" in out
+    assert not any(Path(f"/proc/{pid}").exists() for pid in sides)  # both sides ended with the launcher
     stopped_at = int(metrics(cut)[-1]["step"])
     assert 3 <= stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000001", "step_00000002", f"step_{stopped_at:08d}"]
