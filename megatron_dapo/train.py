@@ -180,8 +180,9 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
             from megatron_dapo.launch import run_async_local
 
             return run_async_local(config, overrides, cfg, nproc)
-        if role in ("rollout", "train"):
-            Transport.from_env()  # where the sides meet, checked before either builds anything
+        if role not in ("rollout", "train"):
+            raise ConfigError(f"{ROLE_ENV}={role!r}: expected rollout or train (pipeline.mode=async)")
+        Transport.from_env()  # where the sides meet, checked before either builds anything
         if role == "rollout":  # stop signals are the train side's: it saves, then stops the controller
             from megatron_dapo.sampling.controller import run_rollout
 
@@ -189,8 +190,6 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
                 signal.signal(sig, signal.SIG_IGN)
             run_rollout(cfg)
             return None
-        if role != "train":
-            raise ConfigError(f"{ROLE_ENV}={role!r}: expected rollout or train (pipeline.mode=async)")
     stop = StopSignals()
     if os.environ.get("RANK", "0") == "0":
         log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)

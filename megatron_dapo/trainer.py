@@ -172,8 +172,7 @@ class Trainer:
         if cfg.pipeline.mode == "async":  # the engines and the loader live in the rollout process
             from megatron_dapo.sampling.controller import RemoteRollout, Transport
 
-            self.remote = RemoteRollout(Transport.from_env(), self.layout.rank)
-            self.loader: Any = self.remote
+            self.remote = self.loader = RemoteRollout(Transport.from_env(), self.layout.rank)
         else:
             self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
             self.pool = RewardPool.from_config(cfg.reward)
@@ -197,17 +196,15 @@ class Trainer:
         self._val_prompts: list[Prompt] | None = None
         if self.engine is not None:
             self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
-        resume_from = None
         if cfg.trainer.resume:
             state = self.checkpoints.load(self.policy)
             if state is not None:
                 self.step = state["step"]
                 self.load_state_dict(state["trainer"])
-                resume_from = state["trainer"]["loader"]
                 if self.layout.rank == 0:
                     log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
         if self.remote is not None:
-            self.remote.start(resume_from)
+            self.remote.start()  # the controller loads the loader state, if any, and serves from it
         self._sync()  # the engine started from dummy weights
 
     # ---------------------------------------------------------------- rollout
@@ -378,13 +375,11 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds beside the model and optimizer (the step is the checkpoint's own)."""
-        loader = self.remote.state if self.remote is not None else self.loader.state_dict()
-        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": loader}
+        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
-        if self.remote is None:  # async: the controller loads it (RemoteRollout.start)
-            self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"])
 
     def save(self) -> Path:
         return self.checkpoints.save(self.policy, self.step, self.state_dict())

@@ -148,9 +148,10 @@ def _apply_weights(engine: Any, receiver: Any) -> None:
 
 
 class RemoteRollout:
-    """What a train rank holds of the rollout side: next_batch() asks the controller for a batch (as the colocated
-    loader's next_batch() collects one), send_weights() streams the bridge's buckets to it; state is the loader's
-    state that came with the last batch (what the trainer's checkpoint saves under "loader")."""
+    """What a train rank holds of the rollout side, with the colocated loader's interface: next_batch() asks the
+    controller for a batch, state_dict() is the loader's state that came with the last batch (what the trainer's
+    checkpoint saves), load_state_dict() keeps a checkpoint's for start() to hand over; send_weights() streams the
+    bridge's buckets to the controller."""
 
     def __init__(self, transport: Transport, rank: int) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
@@ -161,10 +162,15 @@ class RemoteRollout:
         self.state: Optional[dict[str, Any]] = None
         self.idle = False  # the controller waits for a command: set once it has its weights
 
-    def start(self, state: Optional[dict[str, Any]]) -> None:
-        """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
-        self.batches.broadcast_object({"cmd": "start", "state": state} if self.rank == 0 else None, src=1)
+
+    def start(self) -> None:
+        """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
+        self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
         self.sender.weight_format = self.batches.broadcast_object(None, src=0)["weight_format"]
 
     def next_batch(self) -> StepBatch:
