@@ -575,11 +575,17 @@ class PipelineConfig:
     recompute_kv: bool = True
     """async: a weight update arriving while groups generate re-reads their context under the new
     weights; false keeps the KV cache the old weights computed."""
+    weights_backend: str = "auto"
+    """async: the process group that carries each weight update from train rank 0 to the rollout
+    side: auto (NCCL where CUDA is available, else gloo), nccl, or gloo (through host memory: for
+    two sides sharing one GPU, where NCCL refuses two ranks on one device)."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
         _check(self.mode in ("colocated", "async"), "pipeline.mode", self.mode, "colocated or async")
         _check(self.rollout_gpus >= 1, "pipeline.rollout_gpus", self.rollout_gpus, "an integer >= 1")
+        backends = ("auto", "nccl", "gloo")
+        _check(self.weights_backend in backends, "pipeline.weights_backend", self.weights_backend, "auto, nccl or gloo")
 
 
 @dataclass

@@ -44,6 +44,31 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no two consecutive free ports on {host}")
 
 
+def side_devices(visible: list[str], rollout_gpus: int, train_procs: int) -> tuple[str, str]:
+    """CUDA_VISIBLE_DEVICES of the rollout side and of the train side: the first rollout_gpus of this machine's
+    visible GPUs, then one for each train process (torchrun's LOCAL_RANK i takes the side's i-th)."""
+    need = rollout_gpus + train_procs
+    if len(visible) < need:
+        raise ConfigError(
+            f"--nproc {need}: expected as many GPUs, this machine shows {len(visible)} "
+            f"(CUDA_VISIBLE_DEVICES={','.join(visible)!r}); each side needs GPUs of its own (one GPU: start the roles "
+            "yourself with DAPO_ROLE and pipeline.weights_backend=gloo, docs/async.md)"
+        )
+    return ",".join(visible[:rollout_gpus]), ",".join(visible[rollout_gpus:need])
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(torch.cuda.device_count())]
+    return [d.strip() for d in listed.split(",") if d.strip()]
+
+
 def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
     """Start both sides, forward stop signals to the train side, return its exit status (1 if the rollout died)."""
     train_procs = (nproc or cfg.pipeline.rollout_gpus + 1) - cfg.pipeline.rollout_gpus
@@ -55,6 +80,12 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
     module = [sys.executable, "-m", "megatron_dapo.train", *args]
     env = {k: v for k, v in os.environ.items() if k not in _WORLD_ENV}
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
+    rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
+    visible = visible_gpus()
+    if visible:  # each side on GPUs of its own; both would otherwise start on the first
+        rollout_env["CUDA_VISIBLE_DEVICES"], train_env["CUDA_VISIBLE_DEVICES"] = side_devices(
+            visible, cfg.pipeline.rollout_gpus, train_procs
+        )
     rollout_cmd = module
     if train_procs == 1:
         train_cmd = module
@@ -62,8 +93,8 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={train_procs}"]
         train_cmd = [*torchrun, "-m", "megatron_dapo.train", *args]
     # own sessions: a Ctrl-C at the terminal reaches this process only, which asks the train side to save
-    rollout = subprocess.Popen(rollout_cmd, env={**env, ROLE_ENV: "rollout"}, start_new_session=True)
-    train = subprocess.Popen(train_cmd, env={**env, ROLE_ENV: "train"}, start_new_session=True)
+    rollout = subprocess.Popen(rollout_cmd, env=rollout_env, start_new_session=True)
+    train = subprocess.Popen(train_cmd, env=train_env, start_new_session=True)
 
     def forward(signum: int, frame: object) -> None:
         if train.poll() is None:

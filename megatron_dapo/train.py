@@ -173,7 +173,7 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
     cfg = load_config(config, overrides)
     if cfg.pipeline.mode == "async":
         from megatron_dapo.config import ConfigError
-        from megatron_dapo.sampling.controller import ROLE_ENV, Transport
+        from megatron_dapo.sampling.controller import ROLE_ENV, Transport, transport_backend
 
         role = os.environ.get(ROLE_ENV)
         if role is None:  # this process starts both sides and waits for them
@@ -182,7 +182,8 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
             return run_async_local(config, overrides, cfg, nproc)
         if role not in ("rollout", "train"):
             raise ConfigError(f"{ROLE_ENV}={role!r}: expected rollout or train (pipeline.mode=async)")
-        Transport.from_env()  # where the sides meet, checked before either builds anything
+        Transport.from_env()  # where the sides meet and how, checked before either builds anything
+        transport_backend(cfg)
         if role == "rollout":  # stop signals are the train side's: it saves, then stops the controller
             from megatron_dapo.sampling.controller import run_rollout
 

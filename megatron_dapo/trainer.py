@@ -170,9 +170,9 @@ class Trainer:
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
         self.engine = self.pool = self.remote = None
         if cfg.pipeline.mode == "async":  # the engines and the loader live in the rollout process
-            from megatron_dapo.sampling.controller import RemoteRollout, Transport
+            from megatron_dapo.sampling.controller import RemoteRollout, Transport, transport_backend
 
-            self.remote = self.loader = RemoteRollout(Transport.from_env(), self.layout.rank)
+            self.remote = self.loader = RemoteRollout(Transport.from_env(), self.layout.rank, transport_backend(cfg))
         else:
             self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
             self.pool = RewardPool.from_config(cfg.reward)

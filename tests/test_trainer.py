@@ -635,6 +635,12 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
         (["--nproc", "1", *split], {}, "--nproc 1: expected more than pipeline.rollout_gpus=1"),
         (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
         (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),
+        ([*split, "pipeline.weights_backend=ib"], {}, "pipeline.weights_backend='ib': expected auto, nccl or gloo"),
+        (  # checked before either side builds anything, not when the weights group would hang on it
+            [*split, "pipeline.weights_backend=nccl"],
+            {"DAPO_ROLE": "train", "DAPO_TRANSPORT": "127.0.0.1:1", "DAPO_TRAIN_PROCS": "1"},
+            "pipeline.weights_backend='nccl': expected CUDA in this process",
+        ),
     ]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
     root = logging.getLogger()
@@ -656,6 +662,19 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
     cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}", "--debug"]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_async_sides_get_gpus_of_their_own():
+    """The launcher gives the rollout side the first pipeline.rollout_gpus visible GPUs and each train process one of
+    the rest (in CUDA_VISIBLE_DEVICES' own names); fewer GPUs than processes is one error naming both counts."""
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.launch import side_devices
+
+    assert side_devices(["3", "5", "6", "7"], 1, 2) == ("3", "5,6")
+    assert side_devices(["0", "1", "2", "3"], 2, 2) == ("0,1", "2,3")
+    assert side_devices(["GPU-a", "GPU-b"], 1, 1) == ("GPU-a", "GPU-b")
+    with pytest.raises(ConfigError, match=r"--nproc 2: expected as many GPUs, this machine shows 1 \(CUDA_VISIBLE"):
+        side_devices(["0"], 1, 1)
 
 
 def test_stop_signals_count_a_duplicate_delivery_once():

@@ -321,7 +321,8 @@ def _inflight_update(tmp: Path) -> Result:
 
 
 def check_train_e2e(ctx: dict) -> Result:
-    """The trainer end to end: torchrun, the Megatron policy and a vLLM engine in one process, two DAPO steps."""
+    """The trainer end to end, colocated (torchrun, the Megatron policy and a vLLM engine in one process), then
+    split (pipeline.mode=async: a rollout process and a train process), two DAPO steps each."""
     with tempfile.TemporaryDirectory(prefix="preflight_e2e_") as tmp:
         return _train_e2e(Path(tmp))
 
@@ -330,7 +331,11 @@ def _train_e2e(tmp: Path) -> Result:
     """`torchrun --standalone --nproc-per-node 1 -m megatron_dapo.train` on a random tiny Qwen2 (head_dim 64) and 64
     addition problems: two steps of streamed rollouts, weight syncs, training and a checkpoint each. A random model
     is never right, so dynamic sampling is off (no group would be informative); the steps' numbers must be finite
-    and the engine's logprobs near Megatron's (bf16 in both: the bridge check's 0.05 mean)."""
+    and the engine's logprobs near Megatron's (bf16 in both: the bridge check's 0.05 mean).
+
+    Then the same run split at eta = 0, its two roles started as a Slurm step starts them (DAPO_ROLE), sharing the
+    one GPU: the weights travel over gloo (NCCL refuses two ranks on one device). Held to the same rules; whether its
+    metrics equal the colocated run's (as they do on CPU) is reported, not required."""
     import json
     import math
     import subprocess
@@ -338,11 +343,12 @@ def _train_e2e(tmp: Path) -> Result:
     import time
 
     from megatron_dapo.data.generator import generate_rows, write_jsonl
+    from megatron_dapo.launch import free_port_pair
     from megatron_dapo.model.tiny import build_tiny_qwen2
+    from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
     model = build_tiny_qwen2(tmp / "model", hidden_size=256, intermediate_size=512, num_attention_heads=4)
     data = write_jsonl(tmp / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
-    run = tmp / "run"
     overrides = [
         f"model.hf_path={model}",
         f"data.train_files=[{data}]",
@@ -353,37 +359,84 @@ def _train_e2e(tmp: Path) -> Result:
         "algorithm.dynamic_sampling=false",
         "sampler.train_batch_size=4",
         "sampler.gen_batch_size=4",
+        "sampler.max_staleness=0",  # what the split runs so far; colocated, the same steps as without it
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
         "reward.num_workers=1",
         "trainer.total_steps=2",
         "trainer.save_every=1",
-        f"trainer.run_dir={run}",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m"]
     # this check's own world variables out: torchrun sets them, with a rendezvous of its own
     world = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in world}
-    t0 = time.perf_counter()
-    proc = subprocess.run([*cmd, "megatron_dapo.train", *overrides], env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-8000:])
-        return Result(False, {"exit": proc.returncode, "seconds": round(seconds, 1)}, "the trainer failed (log below)")
-    path = run / "metrics.jsonl"
-    lines = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    n: dict[str, Any] = {"seconds": round(seconds, 1), "steps": len(lines)}
-    problems = []
-    if [m.get("step") for m in lines] != [1.0, 2.0]:
-        problems.append(f"metrics.jsonl has steps {[m.get('step') for m in lines]}, expected [1, 2]")
-    for m in lines:
-        n[f"step{int(m['step'])}_logp_mismatch"] = round(m.get("rollout/logp_mismatch_mean", math.nan), 5)
-        n[f"step{int(m['step'])}_s"] = round(m.get("timing/step", math.nan), 2)
-        bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad:
-            problems.append(f"step {m['step']}: not finite: {bad[:5]}")
-        if m.get("rollout/logp_mismatch_mean", 1.0) > 0.05:
-            problems.append(f"step {m['step']}: engine vs Megatron logprob {m.get('rollout/logp_mismatch_mean')}")
-    if sorted(p.name for p in (run / "checkpoints").glob("step_*")) != ["step_00000001", "step_00000002"]:
-        problems.append("checkpoints step_00000001 and step_00000002 not both written")
+    n: dict[str, Any] = {}
+    problems: list[str] = []
+    runs: dict[str, list[dict]] = {}
+    for mode in ("colocated", "split"):
+        run = tmp / mode
+        args = [*overrides, f"trainer.run_dir={run}"]
+        t0 = time.perf_counter()
+        if mode == "colocated":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m"]
+            proc = subprocess.run([*cmd, "megatron_dapo.train", *args], env=env, capture_output=True, text=True)
+            code, log = proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:]
+        else:
+            split = ["pipeline.mode=async", "pipeline.weights_backend=gloo"]
+            where = {TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: "1"}
+            cmd = [sys.executable, "-m", "megatron_dapo.train", *args, *split]
+            logs = {role: open(tmp / f"{role}.log", "w+") for role in ("rollout", "train")}
+            procs = {
+                role: subprocess.Popen(cmd, env={**env, **where, ROLE_ENV: role}, stdout=f, stderr=subprocess.STDOUT)
+                for role, f in logs.items()
+            }
+            try:
+                code = procs["train"].wait(timeout=240)
+                rollout_code = procs["rollout"].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                code = rollout_code = "timed out"
+            finally:
+                for p in procs.values():
+                    if p.poll() is None:
+                        p.kill()
+            n["split_rollout_exit"] = rollout_code
+            log = ""
+            for role, f in logs.items():
+                f.seek(0)
+                log += f"--- {role} ---\n{f.read()[-6000:]}\n"
+                f.close()
+            if rollout_code != 0:
+                problems.append(f"split: the rollout process exited with {rollout_code}")
+        seconds = time.perf_counter() - t0
+        n[f"{mode}_seconds"] = round(seconds, 1)
+        if code != 0:
+            print(log)
+            problems.append(f"{mode}: the trainer exited with {code} (log below)")
+            continue
+        path = run / "metrics.jsonl"
+        lines = runs[mode] = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        if [m.get("step") for m in lines] != [1.0, 2.0]:
+            problems.append(f"{mode}: metrics.jsonl has steps {[m.get('step') for m in lines]}, expected [1, 2]")
+        for m in lines:
+            tag = f"{mode}_step{int(m['step'])}"
+            n[f"{tag}_logp_mismatch"] = round(m.get("rollout/logp_mismatch_mean", math.nan), 5)
+            n[f"{tag}_s"] = round(m.get("timing/step", math.nan), 2)
+            bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
+            if bad:
+                problems.append(f"{mode} step {m['step']}: not finite: {bad[:5]}")
+            if m.get("rollout/logp_mismatch_mean", 1.0) > 0.05:
+                problems.append(f"{mode} step {m['step']}: engine vs Megatron logprob {m.get('rollout/logp_mismatch_mean')}")
+        if sorted(p.name for p in (run / "checkpoints").glob("step_*")) != ["step_00000001", "step_00000002"]:
+            problems.append(f"{mode}: checkpoints step_00000001 and step_00000002 not both written")
+    if len(runs) == 2:  # the data's metrics: on CPU the two modes agree exactly at eta = 0
+        data_keys = ("reward/", "response/", "sampler/", "actor/")
+        differ = sorted(
+            {
+                k
+                for a, b in zip(runs["colocated"], runs["split"])
+                for k, v in a.items()
+                if k.startswith(data_keys) and isinstance(v, float) and b.get(k) != v
+            }
+        )
+        n["split_metrics_differing"] = len(differ)
+        n["split_differing_first"] = ",".join(differ[:6])
     return Result(not problems, n, "; ".join(problems))

@@ -29,7 +29,8 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
   inflight_update  CUDA + vLLM: asynchronous DAPO's weight update between two engine steps with groups in flight
                    (recompute_kv and keep_kv): none lost, each token tagged and sampled by its policy, the pause
   train_e2e        CUDA + vLLM: the trainer end to end under torchrun (Megatron policy and vLLM engine in one
-                   process, streamed rollouts, syncs, checkpoints), two steps of a random tiny model
+                   process, streamed rollouts, syncs, checkpoints), two steps of a random tiny model; then the
+                   same split in two processes (pipeline.mode=async at eta 0, weights over gloo on the one GPU)
   te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences), and FP8 when
                    the GPU has it (compute capability 8.9+)
 
@@ -146,8 +147,9 @@ CHECKS = [
         "train_e2e",
         check_train_e2e,
         ("cuda", "vllm"),
-        "2 steps exit 0, finite metrics, engine vs Megatron logprob < 0.05 mean, 2 checkpoints",
-        300,
+        "colocated, then split (async, eta 0): 2 steps each exit 0, finite metrics, engine vs Megatron logprob "
+        "< 0.05 mean, 2 checkpoints",
+        420,
     ),
     Check("te", check_te, ("cuda", "te"), "TE MFU vs train_0.5b's local layers; FP8 on 8.9+", 480),
 ]

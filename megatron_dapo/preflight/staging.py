@@ -170,13 +170,15 @@ def cmd_verify(args) -> int:
 
 def preflight_calls() -> list[str]:
     """The preflight in two calls, each inside the device's 10-minute limit (--deadline-s stops a check still
-    running). The first call also installs, then runs the vLLM checks (what no CPU can stand in for) and after them
-    the short core checks; the second the rest. Measured on the H200 (2026-11-27): 391 s and 103 s of command."""
+    running). The first call also installs, then runs the checks no CPU can stand in for (the trainer end to end,
+    both modes, and the vLLM checks) and after them the short core checks; the second the timing rows, which a
+    session short of device time can leave for the next."""
     run = "PYTHONPATH=$PWD/.gpu_site PYTHONUNBUFFERED=1 python3 tools/preflight.py"
     return [
-        f"{run} --deadline-s 330 --only env,bridge,bridge_fp8,sleep_wake,inflight_update --json $OUT/preflight_a.json; "
-        f"{run} --deadline-s 200 --only limits,kernel_equality,train_0.5b,determinism --json $OUT/preflight_b.json",
-        f"{run} --deadline-s 500 --only kernel_timing,train_tiny,train_1.5b,train_e2e,te --json $OUT/preflight_c.json",
+        f"{run} --deadline-s 420 --only env,train_e2e,inflight_update,sleep_wake,bridge,bridge_fp8 "
+        f"--json $OUT/preflight_a.json; "
+        f"{run} --deadline-s 100 --only limits,kernel_equality,determinism,train_tiny,te --json $OUT/preflight_b.json",
+        f"{run} --deadline-s 400 --only train_0.5b,train_1.5b,kernel_timing --json $OUT/preflight_c.json",
     ]
 
 

@@ -69,10 +69,16 @@ class Transport:
         return batches, weights
 
 
-def transport_backend() -> str:
+def transport_backend(cfg: Config) -> str:
+    """The weights group's backend: pipeline.weights_backend, auto resolved by whether CUDA is available."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    backend = cfg.pipeline.weights_backend
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("config field pipeline.weights_backend='nccl': expected CUDA in this process (none found)")
+    return backend
 
 
 # ----------------------------------------------------------------------------- the rollout side
@@ -102,10 +108,11 @@ def run_rollout(cfg: Config) -> None:
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     engine = pool = None
     try:
-        engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
+        # never asleep: the engines here generate while the train side trains
+        engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy", enable_sleep_mode=False)
         pool = RewardPool.from_config(cfg.reward)
         loader = DynamicSamplingLoader(cfg, dataset, {0: engine}, pool, stop_token_ids=[tokenizer.eos_token_id])
-        batches, weights = transport.connect(0, transport_backend())
+        batches, weights = transport.connect(0, transport_backend(cfg))
         receiver = WeightReceiver(weights, src=1)
         start = _expect(batches.broadcast_object(None, src=1), "start")
         if start["state"] is not None:
@@ -153,11 +160,11 @@ class RemoteRollout:
     checkpoint saves), load_state_dict() keeps a checkpoint's for start() to hand over; send_weights() streams the
     bridge's buckets to the controller."""
 
-    def __init__(self, transport: Transport, rank: int) -> None:
+    def __init__(self, transport: Transport, rank: int, backend: str) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
 
         self.rank = rank  # this process's train rank
-        self.batches, weights = transport.connect(rank + 1, transport_backend())
+        self.batches, weights = transport.connect(rank + 1, backend)
         self.sender = WeightSender(weights if rank == 0 else None)
         self.state: Optional[dict[str, Any]] = None
         self.idle = False  # the controller waits for a command: set once it has its weights
