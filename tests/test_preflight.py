@@ -104,6 +104,8 @@ def test_a_failing_check_is_a_row_with_its_error_and_the_exit_status_says_so(tmp
     assert preflight.main(["--only", "env"]) == 1
     with pytest.raises(SystemExit, match="unknown checks"):
         preflight.main(["--only", "env,nope"])
+    # --only runs what it names in its order, once each: a device call puts what it needs most first
+    assert [c.name for c in preflight.parse_only("train_e2e,env,train_e2e")] == ["train_e2e", "env"]
 
 
 def _sha(path: Path) -> str:

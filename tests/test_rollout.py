@@ -322,7 +322,7 @@ def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model,
     eng._check_ready()  # a full update makes it usable again
 
 
-def test_the_gpu_engine_samples_without_flashinfer_when_it_is_not_installed(monkeypatch):
+def test_the_gpu_engine_samples_without_flashinfer_and_runs_in_process(monkeypatch):
     # vLLM 0.25's GPU sampler imports FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0: without it the engine
     # failed to start on the H100; a user's own setting stays.
     from megatron_dapo.rollout.vllm_env import gpu_env_defaults, set_engine_env
@@ -336,3 +336,8 @@ def test_the_gpu_engine_samples_without_flashinfer_when_it_is_not_installed(monk
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
     set_engine_env(on_gpu=True)
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    # the engine core stays in this process on a GPU too: the async rollout process's engine (no torchrun) ran its
+    # core in a process of its own on the H200 and could not take a weight update (its function is not serializable)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    set_engine_env(on_gpu=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -257,13 +257,13 @@ def parse_only(text: str | None) -> list[Check]:
     unknown = [x for x in names if x not in BY_NAME]
     if unknown:
         raise SystemExit(f"--only: unknown checks {unknown}; known: {', '.join(BY_NAME)}")
-    return [c for c in CHECKS if c.name in names]
+    return [BY_NAME[x] for x in dict.fromkeys(names)]  # the order given: a device call puts what matters first
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argument_parser(__doc__)
     ap.add_argument("--fast", action="store_true", help="tiny sizes everywhere (the test's mode)")
-    ap.add_argument("--only", default=None, help=f"comma-separated checks: {','.join(BY_NAME)}")
+    ap.add_argument("--only", default=None, help=f"comma-separated checks, run in the order given: {','.join(BY_NAME)}")
     ap.add_argument("--json", default=None, help="write every row here (rewritten after each check)")
     ap.add_argument(
         "--deadline-s",

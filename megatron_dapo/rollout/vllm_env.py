@@ -88,11 +88,14 @@ def rollout_tp(cfg: Any) -> int:
 
 def set_engine_env(on_gpu: bool) -> None:
     """Environment vLLM reads at construction. CPU: the in-process engine, a fixed KV cache, offline Hub;
-    GPU: the sampler without FlashInfer where it is not installed."""
+    GPU: the sampler without FlashInfer where it is not installed. Both: the engine core in this process, so a
+    weight update hands the worker its tensors by reference (an engine core in a process of its own must serialize
+    every call, and refuses the update's function: seen on the H200 in the rollout process of pipeline.mode=async,
+    the one engine not started by torchrun's external_launcher, which is in-process by itself)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # CPU also: 2 s init instead of 20 s
     if on_gpu:
         defaults = gpu_env_defaults(lambda name: importlib.util.find_spec(name) is not None)
     else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: 2 s init instead of 20 s; workers reachable
         defaults = CPU_ENV_DEFAULTS
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
