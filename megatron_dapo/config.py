@@ -567,8 +567,8 @@ class PipelineConfig:
     mode: str = "colocated"
     """colocated: every process trains and generates in turn (the default); async: the first
     pipeline.rollout_gpus processes run the engines and the rollout controller, the others train,
-    batches and weights travel between them (docs/async.md). Built so far: sampler.max_staleness=0,
-    where async takes the colocated run's steps exactly."""
+    batches and weights travel between them (docs/async.md): the controller collects up to
+    sampler.max_staleness batches ahead of training (0: the colocated run's steps exactly)."""
     rollout_gpus: int = 1
     """async: processes (GPUs) of the rollout side, a multiple of rollout.tp; the train side is the
     rest of the job's processes."""
@@ -668,12 +668,6 @@ class Config:
                 "files to evaluate on (eval.every > 0)",
             )
         if self.pipeline.mode == "async":
-            _check(
-                s.max_staleness == 0,
-                "sampler.max_staleness",
-                s.max_staleness,
-                "0 with pipeline.mode=async (weight updates in flight, eta >= 1, are not built yet: docs/async.md)",
-            )
             _check(self.eval.every == 0, "eval.every", self.eval.every, "0 with pipeline.mode=async (not built yet)")
             if r.tp is not None:
                 _check(

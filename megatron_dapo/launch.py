@@ -10,7 +10,9 @@ stays the one to resume from) with one error line. A Slurm job sets the same var
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,20 +30,23 @@ _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 free now (the controller's two transport stores)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + 1 > 65535:
+    """A port p with p and p + 1 free now (the controller's two transport stores), below the kernel's ephemeral range:
+    a port the system hands out for bind(0) (torch.distributed's own stores, with MASTER_PORT=0) could take it
+    between this choice and the controller's listening on it, which comes after its start-up."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), low - 1)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind((host, p))
+        except OSError:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port + 1))
-            except OSError:
-                continue
         return port
-    raise RuntimeError(f"no two consecutive free ports on {host}")
+    raise RuntimeError(f"no two consecutive free ports on {host} below {low}")
 
 
 def side_devices(visible: list[str], rollout_gpus: int, train_procs: int) -> tuple[str, str]:

@@ -205,7 +205,7 @@ class Trainer:
                     log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
         if self.remote is not None:
             self.remote.start()  # the controller loads the loader state, if any, and serves from it
-        self._sync()  # the engine started from dummy weights
+        self._sync(self.step)  # the engine started from dummy weights
 
     # ---------------------------------------------------------------- rollout
 
@@ -265,10 +265,11 @@ class Trainer:
         ]
         return slices, self.comm.sum([sent])[0]
 
-    def _sync(self) -> dict[str, float]:
-        """The policy's weights into the engines: this process's own, or the rollout process's (async)."""
+    def _sync(self, version: int) -> dict[str, float]:
+        """The policy's weights (version: rollout steps they have trained) into the engines: this process's
+        own, or the rollout process's (async)."""
         if self.remote is not None:
-            return self.remote.send_weights(self.bridge, self.step)
+            return self.remote.send_weights(self.bridge, version)
         return self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
@@ -314,7 +315,7 @@ class Trainer:
                     f"{self.checkpoints.root}"
                 )
         with timer.phase("sync"):
-            sync = self._sync()
+            sync = self._sync(self.step + 1)  # the weights that will train batch step + 1
             if self.engine is not None:
                 self.engine.wake()  # and its KV cache for the next rollout
         self.step += 1

@@ -631,7 +631,7 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
         (["seed=1"], {}, "error: config field model.hf_path is empty"),  # no model given
         (["optim.lr=fast"], {}, "optim.lr"),
         ([f"model.hf_path={tmp_path / 'missing'}"], {}, str(tmp_path / "missing")),
-        (["pipeline.mode=async"], {}, "sampler.max_staleness=1: expected 0 with pipeline.mode=async"),
+        ([*split, "eval.every=5", "data.val_files=[v.jsonl]"], {}, "eval.every=5: expected 0 with pipeline.mode=async"),
         (["--nproc", "1", *split], {}, "--nproc 1: expected more than pipeline.rollout_gpus=1"),
         (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
         (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),

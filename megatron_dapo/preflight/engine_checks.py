@@ -424,7 +424,9 @@ def _train_e2e(tmp: Path) -> Result:
             if bad:
                 problems.append(f"{mode} step {m['step']}: not finite: {bad[:5]}")
             if m.get("rollout/logp_mismatch_mean", 1.0) > 0.05:
-                problems.append(f"{mode} step {m['step']}: engine vs Megatron logprob {m.get('rollout/logp_mismatch_mean')}")
+                problems.append(
+                    f"{mode} step {m['step']}: engine vs Megatron logprob {m.get('rollout/logp_mismatch_mean')}"
+                )
         if sorted(p.name for p in (run / "checkpoints").glob("step_*")) != ["step_00000001", "step_00000002"]:
             problems.append(f"{mode}: checkpoints step_00000001 and step_00000002 not both written")
     if len(runs) == 2:  # the data's metrics: on CPU the two modes agree exactly at eta = 0

@@ -46,10 +46,11 @@ _DTYPES = {_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.floa
 
 class TransportGroup:
     """`size` processes (rank 0 the sender) joined over a TCP store at host:port, with a gloo or NCCL process group
-    of their own; device: where buffers live (NCCL: this process's CUDA device)."""
+    of their own; device: where buffers live (NCCL: this process's CUDA device); store: the TCP store, for keys that
+    say what is ready without a collective."""
 
-    def __init__(self, pg, rank: int, size: int, device: torch.device) -> None:
-        self.pg, self.rank, self.size, self.device = pg, rank, size, device
+    def __init__(self, pg, rank: int, size: int, device: torch.device, store=None) -> None:
+        self.pg, self.rank, self.size, self.device, self.store = pg, rank, size, device, store
 
     @staticmethod
     def connect(host: str, port: int, rank: int, size: int, backend: str = "gloo", timeout_s: float = 600.0):
@@ -57,10 +58,11 @@ class TransportGroup:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
         if backend == "gloo":
-            return TransportGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu"))
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            return TransportGroup(pg, rank, size, torch.device("cpu"), store)
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-            return TransportGroup(dist.ProcessGroupNCCL(store, rank, size), rank, size, device)
+            return TransportGroup(dist.ProcessGroupNCCL(store, rank, size), rank, size, device, store)
         raise ValueError(f"weight transport backend {backend!r}: expected 'gloo' or 'nccl'")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

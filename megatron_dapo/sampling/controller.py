@@ -4,23 +4,27 @@ The rollout side is one process here: the vLLM engine, the reward pool and the d
 a colocated rank runs them; the train side is Megatron's world (any TP x PP x DP). They meet in two transport
 groups (rollout/weight_transport.py), both hosted by the controller at DAPO_TRANSPORT=host:port:
 
-    batches  (gloo, port):      rank 0 the controller, ranks 1.. the train ranks: commands from train rank 0,
-                                batches from the controller
+    batches  (gloo, port):        rank 0 the controller, ranks 1.. the train ranks; its TCP store holds the keys below
     weights  (gloo|nccl, port+1): rank 0 the controller, rank 1 train rank 0, which sends every update
 
-The conversation, each message a broadcast_object:
+At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader state to resume from, or None};
+controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
+waits for the other except where it must, each saying in the store what it is ready for:
 
-    train rank 0 -> all:  {"cmd": "start", "state": loader state to resume from, or None}
-    controller -> all:    {"weight_format": the engine's}
-    train -> controller:  the first weights (version = steps trained)
-    per step:  train rank 0 -> all: {"cmd": "batch"};  controller -> all: the batch (groups, every response,
-               stats, the loader's state after it) or {"error": ...};  train -> controller: the new weights
-    at the end: train rank 0 -> all: {"cmd": "stop"}
+    train rank 0 sets dapo/update/V (V = steps trained), then broadcasts update V over the weights group
+    train rank 0 sets dapo/want/K when the trainer asks for batch K; every train rank waits for dapo/ready/K, then
+        receives it (the groups, every response, stats, the loader's state after it; or {"error": ...})
+    the controller sets dapo/ready/K when batch K is collected, and broadcasts it once it is wanted
+    train rank 0 sets dapo/stop at the end
 
-The loader's state travels with each batch, so the trainer's checkpoint holds both sides' state and a step is
-complete when that one directory is (the controller writes nothing). With sampler.max_staleness=0 the controller
-waits for each batch's weights before generating again, exactly as a colocated rank pauses for its sync: the run
-takes the colocated run's steps, and its checkpoints resume either way.
+The controller collects batch K + 1 while batch K trains, as long as the batches collected and not trained stay
+within sampler.max_staleness (eta); between two ticks of a step it hands out a wanted batch and applies an update
+that has arrived (VLLMEngine.update_weights_in_flight, pipeline.recompute_kv: the groups in flight go on, their
+later tokens tagged with the new version). With eta = 0 it waits for each batch's weights before collecting the
+next, exactly as a colocated rank pauses for its sync: the run takes the colocated run's steps. The loader's state
+travels with each batch, so the trainer's checkpoint holds both sides' state and a step is complete when that one
+directory is (the controller writes nothing); at eta >= 1 what the controller generated after that state is
+generated again on resume (each prompt visit trained or rejected once).
 """
 
 from __future__ import annotations
@@ -113,21 +117,11 @@ def run_rollout(cfg: Config) -> None:
         pool = RewardPool.from_config(cfg.reward)
         loader = DynamicSamplingLoader(cfg, dataset, {0: engine}, pool, stop_token_ids=[tokenizer.eos_token_id])
         batches, weights = transport.connect(0, transport_backend(cfg))
-        receiver = WeightReceiver(weights, src=1)
         start = _expect(batches.broadcast_object(None, src=1), "start")
         if start["state"] is not None:
             loader.load_state_dict(start["state"])
-        batches.broadcast_object({"weight_format": engine.weight_format}, src=0)
-        _apply_weights(engine, receiver)
-        while _expect(batches.broadcast_object(None, src=1), "batch", "stop")["cmd"] == "batch":
-            try:
-                batch = loader.next_batch()
-            except DynamicSamplingError as e:  # the trainer raises it: one error line, as colocated
-                batches.broadcast_object({"error": str(e)}, src=0)
-                return
-            reply = {"groups": batch.groups, "responses": batch.local, "stats": batch.stats}
-            batches.broadcast_object({**reply, "state": loader.state_dict()}, src=0)
-            _apply_weights(engine, receiver)
+        batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
+        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=1)).run()
     finally:
         if pool is not None:
             pool.close()
@@ -143,12 +137,105 @@ def _expect(msg: Any, *cmds: str) -> dict:
     return msg
 
 
-def _apply_weights(engine: Any, receiver: Any) -> None:
-    """The next update from the train side into the idle engine, tensor by tensor as it arrives."""
-    receiver.begin()
-    for name, tensor in receiver.tensors():
-        engine.update_weights([(name, tensor)])
-    engine.finish_weight_update()
+class _Stop(Exception):
+    """The train side set dapo/stop."""
+
+
+class RolloutController:
+    """Collects batches ahead of training within eta, hands each out when it is wanted, applies each weight update
+    as it arrives; what it decides depends on engine ticks and completed batches (the loader's), never on wall time.
+
+    loader: the DynamicSamplingLoader (its between_ticks is set here). engine: the VLLMEngine it drives.
+    batches: the batches TransportGroup (rank 0). receiver: a WeightReceiver over the weights group.
+    """
+
+    POLL_S = 0.005
+    """How often a controller with nothing to do looks at the store."""
+
+    def __init__(self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any) -> None:
+        self.eta = cfg.sampler.max_staleness
+        self.recompute_kv = cfg.pipeline.recompute_kv
+        self.loader, self.engine, self.batches, self.receiver = loader, engine, batches, receiver
+        self.store = batches.store
+        self.served = loader.version  # the index of the next batch to hand out
+        self.outbox: list[dict[str, Any]] = []  # collected, not handed out yet, in order
+        self.weights: Optional[int] = None  # the version of the engine's weights (None: dummy weights)
+        self.pauses: list[float] = []  # update pauses since the last batch handed out
+        self.e2e: list[float] = []
+
+    def run(self) -> None:
+        """Until the train side sets stop (or a batch could not be collected and its error was handed out)."""
+        self.loader.between_ticks = self._service
+        try:
+            self._wait(lambda: self.weights is not None)  # the first weights: version = steps trained
+            while True:
+                # the next batch only while the batches collected and not trained stay within eta
+                self._wait(lambda: self.loader.version - self.weights <= self.eta)
+                try:
+                    batch = self.loader.next_batch()
+                except DynamicSamplingError as e:  # the trainer raises it: one error line, as colocated
+                    self._hand_out({"error": str(e)})
+                    self._wait(lambda: not self.outbox)
+                    return
+                reply = {"groups": batch.groups, "responses": batch.local, "stats": batch.stats}
+                self._hand_out({**reply, "state": self.loader.state_dict()})
+                self.loader.scheduler.untrained_batches = self.loader.version - self.weights
+        except _Stop:
+            return
+
+    def _hand_out(self, reply: dict[str, Any]) -> None:
+        self.outbox.append(reply)
+        self.store.set(f"dapo/ready/{self.served + len(self.outbox) - 1}", "1")
+        self._service()
+
+    def _wait(self, done: Any) -> None:
+        while not done():
+            if not self._service():
+                time.sleep(self.POLL_S)
+
+    def _service(self) -> bool:
+        """Hand out a wanted batch, then apply an update that has arrived; True if it did either. Raises _Stop once
+        the train side has set stop and nothing is left to do."""
+        did = False
+        if self.outbox and self.store.check([f"dapo/want/{self.served}"]):
+            reply = self.outbox.pop(0)
+            if "stats" in reply:
+                reply["stats"] = {**reply["stats"], **self._update_stats()}
+            self.batches.broadcast_object(reply, src=0)
+            self.served += 1
+            did = True
+        expected = self.loader.version if self.weights is None else self.weights + 1
+        if self.store.check([f"dapo/update/{expected}"]):
+            self._apply_update(expected)
+            did = True
+        if not did and self.store.check(["dapo/stop"]):
+            raise _Stop
+        return did
+
+    def _apply_update(self, expected: int) -> None:
+        """Update `expected`, streamed into the engine between two of its steps; the groups in flight go on."""
+        version = self.receiver.begin()
+        if version != expected:
+            raise RuntimeError(f"rollout controller: expected weight update {expected}, the train side sent {version}")
+        sent_at = float(self.store.get(f"dapo/update/{version}"))
+        pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
+        self.weights = self.loader.weights_version = version
+        # admission counts the batches collected and not trained as started (sampler.max_staleness)
+        self.loader.scheduler.untrained_batches = max(0, self.loader.version - version)
+        self.pauses.append(pause["pause_s"])
+        self.e2e.append(time.time() - sent_at)
+
+    def _update_stats(self) -> dict[str, float]:
+        """The weight updates applied since the last batch handed out: the engine's pause, the end-to-end time
+        (from the train side's key to applied, on the two sides' clocks) and the version now generating."""
+        out = {
+            "pipeline/updates": float(len(self.pauses)),
+            "pipeline/update_pause_s": sum(self.pauses),
+            "pipeline/update_e2e_s": max(self.e2e, default=0.0),
+            "pipeline/weights_version": float(self.weights if self.weights is not None else -1),
+        }
+        self.pauses, self.e2e = [], []
+        return out
 
 
 # ----------------------------------------------------------------------------- the train side's end
@@ -160,14 +247,18 @@ class RemoteRollout:
     checkpoint saves), load_state_dict() keeps a checkpoint's for start() to hand over; send_weights() streams the
     bridge's buckets to the controller."""
 
+    POLL_S = 0.005
+    """How often a train rank waiting for a batch looks at the store."""
+
     def __init__(self, transport: Transport, rank: int, backend: str) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
 
         self.rank = rank  # this process's train rank
         self.batches, weights = transport.connect(rank + 1, backend)
+        self.store = self.batches.store
         self.sender = WeightSender(weights if rank == 0 else None)
         self.state: Optional[dict[str, Any]] = None
-        self.idle = False  # the controller waits for a command: set once it has its weights
+        self.batch = 0  # the index of the next batch to ask for
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.state
@@ -178,14 +269,18 @@ class RemoteRollout:
     def start(self) -> None:
         """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
         self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
-        self.sender.weight_format = self.batches.broadcast_object(None, src=0)["weight_format"]
+        reply = self.batches.broadcast_object(None, src=0)
+        self.sender.weight_format, self.batch = reply["weight_format"], reply["batch"]
 
     def next_batch(self) -> StepBatch:
         """The controller's next batch; every response of it is on every train rank (`local`)."""
         t0 = time.perf_counter()
-        self.idle = False
-        self.batches.broadcast_object({"cmd": "batch"} if self.rank == 0 else None, src=1)
+        if self.rank == 0:
+            self.store.set(f"dapo/want/{self.batch}", "1")
+        while not self.store.check([f"dapo/ready/{self.batch}"]):  # no collective timeout while it is collected
+            time.sleep(self.POLL_S)
         reply = self.batches.broadcast_object(None, src=0)
+        self.batch += 1
         if "error" in reply:
             raise DynamicSamplingError(reply["error"])
         self.state = reply["state"]
@@ -193,15 +288,15 @@ class RemoteRollout:
         return StepBatch(groups=reply["groups"], local=reply["responses"], stats=stats)
 
     def send_weights(self, bridge: Any, version: int) -> dict[str, float]:
-        """Every train rank iterates the bridge (it is collective); train rank 0 sends."""
+        """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
+        (the controller joins the broadcast between two of its ticks)."""
+        if self.rank == 0:
+            self.store.set(f"dapo/update/{version}", repr(time.time()))
         self.sender.begin(version)
         metrics = bridge.sync(self.sender)
-        self.idle = True
         return {**metrics, **self.sender.stats}
 
     def close(self) -> None:
-        """Tell a controller waiting for a command to stop; one in the middle of a step is the launcher's to end
-        (python -m megatron_dapo.train stops the rollout process when the train side has exited)."""
-        if self.idle:
-            self.idle = False
-            self.batches.broadcast_object({"cmd": "stop"} if self.rank == 0 else None, src=1)
+        """Tell the controller to stop (it looks between ticks, and while it waits)."""
+        if self.rank == 0:
+            self.store.set("dapo/stop", "1")

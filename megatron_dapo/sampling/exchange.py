@@ -72,7 +72,18 @@ class Comm:
 
 # ------------------------------------------------------------------ group summaries as tensor rows
 
-_HEAD = ("key", "index", "engine", "version", "informative", "reward_timeouts", "reward_errors", "versions")
+_HEAD = (
+    "key",
+    "index",
+    "engine",
+    "version",
+    "informative",
+    "reward_timeouts",
+    "reward_errors",
+    "finished_in",
+    "fresh_tokens",
+    "versions",
+)
 _PER_SAMPLE = ("lengths", "acc", "scores", "rewards", "truncated")
 
 
@@ -89,6 +100,7 @@ def metas_to_rows(metas: list[GroupMeta], group_size: int) -> torch.Tensor:
     rows = torch.zeros((len(metas), meta_width(group_size, versions)), dtype=torch.float64)
     for i, g in enumerate(metas):
         head = [g.key, g.index, g.engine, g.version, g.informative, g.reward_timeouts, g.reward_errors]
+        head += [-1 if x is None else x for x in (g.finished_in, g.fresh_tokens)]  # -1: None (counts are >= 0)
         row = head + [len(g.version_tokens)]
         for name in _PER_SAMPLE:
             row += [float(x) for x in getattr(g, name)]
@@ -100,7 +112,7 @@ def metas_to_rows(metas: list[GroupMeta], group_size: int) -> torch.Tensor:
 def rows_to_metas(rows: torch.Tensor, group_size: int) -> list[GroupMeta]:
     out = []
     for r in rows.tolist():
-        key, index, engine, version, informative, timeouts, errors, nv = (int(x) for x in r[: len(_HEAD)])
+        key, index, engine, version, informative, timeouts, errors, step, fresh, nv = (int(x) for x in r[: len(_HEAD)])
         cols = {}
         at = len(_HEAD)
         for name in _PER_SAMPLE:
@@ -121,6 +133,8 @@ def rows_to_metas(rows: torch.Tensor, group_size: int) -> list[GroupMeta]:
                 version_tokens=[int(x) for x in r[at : at + nv]],
                 reward_timeouts=timeouts,
                 reward_errors=errors,
+                finished_in=None if step < 0 else step,
+                fresh_tokens=None if fresh < 0 else fresh,
             )
         )
     return out

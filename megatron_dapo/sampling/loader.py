@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
@@ -115,14 +115,26 @@ class DynamicSamplingLoader:
         # this rank's share of the state: responses of the groups it owns that outlive a step
         self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
         self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
-        self._pending: list[tuple[int, int, Group, int, int]] = []  # (ticket, key, group, engine, tick): scoring
+        self._pending: list[tuple[int, int, Group, int, int, int]] = []  # (ticket, key, group, engine, tick, fresh)
+        self._base: dict[int, int] = {}  # key -> tokens it had when (re)submitted this step: the rest are this step's
         self._tick = 0  # ticks of the step in progress
         self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
+        self.weights_version: Optional[int] = None
+        """Asynchronous: the version of the weights the engines hold, set by the rollout controller as updates land
+        (tokens are tagged with it). None: colocated, where the engines are synced to `version` before each step."""
+        self.between_ticks: Optional[Callable[[], None]] = None
+        """Asynchronous: called after every tick of a step (the controller hands out batches and applies weight
+        updates there, so generation never stops for them)."""
 
     @property
     def version(self) -> int:
-        """The policy version generating now: weight syncs so far."""
+        """Batches handed out so far: the weight version that will train the batch being collected."""
         return self.scheduler.version
+
+    @property
+    def sampling_version(self) -> int:
+        """The version of the weights generating now (the tag of every token sampled now)."""
+        return self.version if self.weights_version is None else self.weights_version
 
     # ---------------------------------------------------------------- a step
 
@@ -143,6 +155,8 @@ class DynamicSamplingLoader:
             t_scoring += time.perf_counter() - t1
             sched.observe(gather_metas(self.comm, scored, self.group_size), self._engine_load())
             self._tick += 1
+            if self.between_ticks is not None:
+                self.between_ticks()
         t_full = time.perf_counter() - t0
         stop = sched.close_step()
         stopped = gather_stopped(self.comm, self._stop(stop))
@@ -207,13 +221,15 @@ class DynamicSamplingLoader:
                 continue  # another rank's engine
             prompt = self.dataset[sub.index]
             self._engine_of[sub.key] = sub.engine
+            prefixes = self.partial.pop(sub.key, None) if sub.resume else None
+            self._base[sub.key] = sum(len(r.token_ids) for r in prefixes or [])
             request = GroupRequest(
                 key=sub.key,
                 prompt_ids=list(prompt.token_ids),
                 n=self.group_size,
                 seed=sub.seed,
-                version=self.version,
-                prefixes=self.partial.pop(sub.key, None) if sub.resume else None,
+                version=self.sampling_version,
+                prefixes=prefixes,
             )
             per_engine.setdefault(sub.engine, []).append(request)
         for e, requests in per_engine.items():
@@ -222,6 +238,7 @@ class DynamicSamplingLoader:
     def _finished(self, engine: int, key: int, responses: list[Response]) -> None:
         """A group's last sample finished: shape its rewards and start scoring it (owner only)."""
         self._engine_of.pop(key, None)
+        base = self._base.pop(key, 0)
         if engine not in self.owned:
             return
         prompt = self.dataset[self.scheduler.flight[key].index]
@@ -234,7 +251,8 @@ class DynamicSamplingLoader:
         ticket = self.scorer.submit(
             [r.text for r in responses], [prompt.ground_truth] * len(responses), [prompt.data_source] * len(responses)
         )
-        self._pending.append((ticket, key, group, engine, self._tick))
+        fresh = sum(len(r.token_ids) for r in responses) - base
+        self._pending.append((ticket, key, group, engine, self._tick, fresh))
 
     def _collect_scored(self) -> list[GroupMeta]:
         """The groups that finished in an earlier tick: wait for their scores (the pool had a whole tick of
@@ -243,11 +261,13 @@ class DynamicSamplingLoader:
         ready = [p for p in self._pending if p[4] < self._tick]
         self._pending = [p for p in self._pending if p[4] == self._tick]
         return [
-            self._summarise(key, group, engine, self.scorer.result(ticket)) for ticket, key, group, engine, _ in ready
+            self._summarise(key, group, engine, self.scorer.result(ticket), fresh)
+            for ticket, key, group, engine, _, fresh in ready
         ]
 
-    def _summarise(self, key: int, group: Group, engine: int, scored: Any) -> GroupMeta:
-        meta = self.shaping.summarise(key, group, engine, scored, self.version)
+    def _summarise(self, key: int, group: Group, engine: int, scored: Any, fresh: int) -> GroupMeta:
+        meta = self.shaping.summarise(key, group, engine, scored, self.sampling_version)
+        meta.finished_in, meta.fresh_tokens = self.version, fresh
         self.finished[key] = group
         return meta
 
@@ -255,7 +275,7 @@ class DynamicSamplingLoader:
         """Abort (keep=False) or pause (keep=True) the groups still generating; report what this rank had of them."""
         out: dict[int, Stopped] = {}
         # finished in the last tick but not observed yet: the scheduler counts them as still generating
-        still_scoring = {key: group for _, key, group, _, _ in self._pending}
+        still_scoring = {key: (group, fresh) for _, key, group, _, _, fresh in self._pending}
         for ticket, *_ in self._pending:
             self.scorer.result(ticket)  # drained, so the pool holds nothing of a finished step
         self._pending = []
@@ -264,22 +284,22 @@ class DynamicSamplingLoader:
             e = self._engine_of.get(key)
             if e is not None:
                 by_engine.setdefault(e, []).append(key)
-        stopped_samples: dict[int, list[Response]] = {}
+        stopped_samples: dict[int, tuple[list[Response], int]] = {}  # key -> (samples, tokens of this step)
         for e, keys in by_engine.items():
             aborted = self.engines[e].abort(sorted(keys))
-            if e in self.owned:
-                stopped_samples.update(aborted)
             for key in keys:
                 self._engine_of.pop(key, None)
-        for key, group in still_scoring.items():
+                base = self._base.pop(key, 0)
+                if e in self.owned:
+                    samples = aborted[key]
+                    stopped_samples[key] = (samples, sum(len(r.token_ids) for r in samples) - base)
+        for key, (group, fresh) in still_scoring.items():
             if key in stop:
-                stopped_samples[key] = group.responses
-        for key, samples in stopped_samples.items():
-            versions = token_versions(samples, self.version)
+                stopped_samples[key] = (group.responses, fresh)
+        for key, (samples, fresh) in stopped_samples.items():
+            versions = token_versions(samples, self.sampling_version)
             out[key] = Stopped(
-                tokens=len(versions),
-                tokens_now=sum(v == self.version for v in versions),
-                first_version=min(versions) if versions else None,
+                tokens=len(versions), tokens_now=fresh, first_version=min(versions) if versions else None
             )
             if stop[key]:
                 self.partial[key] = samples  # kept only if settle() pauses it (see _forget)

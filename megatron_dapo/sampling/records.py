@@ -34,6 +34,13 @@ class GroupMeta:
     """Tokens of the group sampled under version + i, i = 0, 1, ... (several only when paused and continued)."""
     reward_timeouts: int = 0
     reward_errors: int = 0
+    finished_in: Optional[int] = None
+    """The rollout step (batches handed out before it) in which it finished; None: its last token's version, which
+    is that step wherever the engines are synced before every step (colocated)."""
+    fresh_tokens: Optional[int] = None
+    """Tokens generated in that step (the rest were generated in earlier steps and continued); None: those of its
+    last token's version. Asynchronous DAPO sets both: there a step's tokens come from the weights of several
+    versions, and one version's from several steps."""
 
     @property
     def tokens(self) -> int:
@@ -44,8 +51,16 @@ class GroupMeta:
         return sum(self.acc)
 
     def tokens_of_version(self, v: int) -> int:
+        """Tokens sampled by the weights of version v (what staleness counts)."""
         i = v - self.version
         return self.version_tokens[i] if 0 <= i < len(self.version_tokens) else 0
+
+    def tokens_of_step(self, v: int) -> int:
+        """Tokens generated in rollout step v (what a step's token accounting counts): 0 unless it finished in v."""
+        last = self.version + len(self.version_tokens) - 1
+        if v != (last if self.finished_in is None else self.finished_in):
+            return 0
+        return self.version_tokens[-1] if self.fresh_tokens is None else self.fresh_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,7 +107,7 @@ class Stopped:
     tokens: int
     """Tokens generated so far, all samples together."""
     tokens_now: int
-    """Of those, the ones sampled in this step (by the current version)."""
+    """Of those, the ones generated in this step."""
     first_version: Optional[int]
     """The version of its oldest token; None when it had none (never started: nothing is lost)."""
 

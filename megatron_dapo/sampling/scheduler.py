@@ -354,7 +354,7 @@ class SamplingScheduler:
         # stream: finished groups behind the batch's last one lose their place (see close_step)
         for key, g in sorted(st.waiting.items()):
             requeue.append((key, g.index))
-            c["tokens_wasted"] += g.tokens_of_version(v)
+            c["tokens_wasted"] += g.tokens_of_step(v)
         st.waiting.clear()
         for key, keep in sorted(st.stopping.items()):
             f, info = self.flight.pop(key), stopped[key]
@@ -383,12 +383,12 @@ class SamplingScheduler:
         for g in st.surplus:
             if self.cfg.carry_surplus and not self._too_stale(g.version, v + 1):
                 self.carry.append(g)
-                c["tokens_carried"] += g.tokens_of_version(v)
+                c["tokens_carried"] += g.tokens_of_step(v)
             else:
                 if self.cfg.carry_surplus:  # too stale to carry: the prompt is tried again
                     requeue.append((g.key, g.index))
-                c["tokens_wasted"] += g.tokens_of_version(v)
-                c["tokens_wasted_earlier"] += g.tokens - g.tokens_of_version(v)
+                c["tokens_wasted"] += g.tokens_of_step(v)
+                c["tokens_wasted_earlier"] += g.tokens - g.tokens_of_step(v)
         self.queue = _requeue_front(self.queue, [idx for _, idx in sorted(requeue)])
         c["requeued"] = len(requeue)
         if shortfall is not None and (self.cfg.on_shortfall == "error" or len(st.batch) < self.cfg.min_groups):
@@ -397,7 +397,7 @@ class SamplingScheduler:
             self._step = None
             raise DynamicSamplingError(shortfall)
         for g in st.batch:
-            c["tokens_trained"] += g.tokens_of_version(v)
+            c["tokens_trained"] += g.tokens_of_step(v)
             c["tokens_trained_total"] += g.tokens
         stats = st.stats(
             shortfall,

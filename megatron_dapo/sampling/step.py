@@ -94,7 +94,7 @@ class StepState:
         c["length_max"] = max(c["length_max"], max(g.lengths, default=0))
         c["reward_timeouts"] += g.reward_timeouts
         c["reward_errors"] += g.reward_errors
-        c["tokens_generated"] += g.tokens_of_version(self.version)
+        c["tokens_generated"] += g.tokens_of_step(self.version)
 
     def commit_in_order(self, train_batch_size: int, stop_when_full: bool) -> None:
         """Take finished groups in submission order, up to the first one still generating."""
@@ -109,7 +109,7 @@ class StepState:
         c["taken"] += 1
         c["taken_informative"] += g.informative
         if not g.informative:
-            c["tokens_uninformative"] += g.tokens_of_version(self.version)
+            c["tokens_uninformative"] += g.tokens_of_step(self.version)
         elif len(self.batch) < train_batch_size:
             self.batch.append(g)
         else:
