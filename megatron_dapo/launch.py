@@ -106,30 +106,47 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             train.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+
+    def rollout_died() -> int:
+        print(
+            f"error: the rollout process exited with status {rollout.returncode}; the train side was stopped, "
+            f"its last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
     try:
         while True:
             if train.poll() is not None:
                 try:
                     rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
                 except subprocess.TimeoutExpired:  # it waited on a train side that left mid-step
-                    os.killpg(rollout.pid, signal.SIGKILL)
-                    rollout.wait()
-                return train.returncode
+                    _kill_tree(rollout)
+                    return train.returncode
+                # a train side that failed because its peer was gone (a lost connection) exits first at times
+                return rollout_died() if train.returncode != 0 and rollout.returncode != 0 else train.returncode
             if rollout.poll() is not None and rollout.returncode != 0:
-                os.killpg(train.pid, signal.SIGKILL)  # its checkpoints are complete or absent, never half written
-                train.wait()
-                print(
-                    f"error: the rollout process exited with status {rollout.returncode}; the train side was stopped, "
-                    f"its last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+                _kill_tree(train)  # its checkpoints are complete or absent, never half written
+                return rollout_died()
             time.sleep(0.2)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for proc in (train, rollout):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a side and every process under it: torchrun starts each train rank in a session of its own, so
+    killing the side's process group would leave the ranks running."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

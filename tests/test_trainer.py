@@ -499,6 +499,43 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
 
 
 @pytest.mark.slow
+def test_async_ahead_of_training_on_two_train_ranks_resumes_each_visit_once(uninterrupted, tmp_path):
+    """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
+    in flight) with two train ranks (--nproc 3: torchrun for the train side), the rollout process killed -9 once
+    step 2 is saved, then resumed to the end.
+
+    When an update lands depends on timing, so no run equals another step for step; what must hold is checked from
+    the run's own record: each batch is trained by the weights of its index (an update is applied before the batch
+    that needs it is handed out), tokens were trained a version after they were sampled (the overlap happened), and
+    the prompt memory in the last checkpoint counts exactly the groups the surviving steps generated, so every visit
+    after the resume was trained or rejected once and none from the killed run's lost steps leaked into the state.
+    """
+    import signal
+
+    cmd, env, _, _ = uninterrupted
+    run = tmp_path / "run"
+    ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc", "3"]
+    proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done2 = run / "checkpoints" / "step_00000002" / "COMPLETE"
+    wait_until(done2.is_file, what="step 2's checkpoint", proc=proc)
+    os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout process exited with status -9")
+    resumed = subprocess.run([*cmd, *ahead], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step 2" in resumed.stderr or "resumed from step 3" in resumed.stderr
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [m["pipeline/weights_version"] for m in lines] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(m["pipeline/updates"] >= 1 and m["pipeline/update_pause_s"] > 0 for m in lines)
+    assert max(m["staleness/max"] for m in lines) >= 1  # sampled by the weights before the ones training it
+    assert all(m["tokens/trained_total"] > 0 and m["tokens/generated"] > 0 for m in lines)
+    last = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+    visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
+    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines))
+
+
+@pytest.mark.slow
 def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
     """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
     schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
