@@ -249,7 +249,8 @@ class SamplerConfig:
     weighted by the estimated informative fraction, stay within (1 + max_staleness) x train_batch_size; a
     started group is never dropped for its age (the bound is on starts, not on token age). fill and
     dynamic_bs: 0 drops the surplus instead of carrying it a version on. 0 = start only what this batch
-    needs."""
+    needs. pipeline.mode=async: also how many collected batches the rollout controller may hold untrained
+    (each counts as a whole batch started), so at 1 the next batch is collected while one trains."""
     drop_stale: bool = False
     """partial_rollout only: the pre-admission rule instead. Engines are kept full, and carried or paused
     groups whose tokens would be more than max_staleness versions old are dropped and their prompts

@@ -102,8 +102,18 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
     train = subprocess.Popen(train_cmd, env=train_env, start_new_session=True)
 
     def forward(signum: int, frame: object) -> None:
-        if train.poll() is None:
-            train.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+        """To the train ranks themselves: torchrun answers a SIGTERM by stopping its ranks and failing, where each
+        rank on its own saves and exits 0 (and torchrun with them)."""
+        import psutil
+
+        if train.poll() is not None:
+            return
+        sig = signal.SIGTERM if signum == signal.SIGINT else signum
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ranks = psutil.Process(train.pid).children() if train_procs > 1 else [psutil.Process(train.pid)]
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.send_signal(sig)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
 

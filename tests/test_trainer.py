@@ -415,18 +415,16 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
+def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
     part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's), and asynchronous
-    DAPO at eta = 0 (pipeline.mode=async: this process starts a rollout process and a train process) taking the
-    colocated run's steps, its checkpoints resumed either way:
+    DAPO at eta = 0 taking the colocated run's steps from a colocated checkpoint:
 
-    1. asynchronous: SIGKILL to the rollout process once step 2 is saved: the run stops at once, one error line,
-       the train side killed in step 3 (no handler, no save);
-    2. asynchronous, saving nothing on its own (save_every=0): resumes from step 2's checkpoint, gets SIGTERM after
-       step 3: the train side saves, stops the rollout controller, and the run exits 0, unfinished;
-    3. colocated: resumes from the signal's checkpoint and finishes; the metrics of all three, step for step, and
-       the prompt memory saved at the end are the uninterrupted colocated run's.
+    1. colocated: SIGKILL once step 2 is saved (no handler, no save);
+    2. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0: resumes from step 2's
+       checkpoint and finishes; the metrics of both, step for step, and the prompt memory saved at the end are the
+       uninterrupted colocated run's. (The rollout process's death and SIGTERM to an asynchronous run are the next
+       test's, at eta = 1.)
     """
     import signal
 
@@ -438,48 +436,23 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
     assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
-    split = "pipeline.mode=async"
     proc = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={cut}", split], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*cmd, f"trainer.run_dir={cut}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     wait_until(lambda: (ckpt / "step_00000002" / "COMPLETE").is_file(), what="step 2's checkpoint", proc=proc)
-    train_side = _child_with(proc.pid, "DAPO_ROLE=train")
-    os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
-    err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 1 and not Path(f"/proc/{train_side}").exists()  # ended with the rollout process
-    assert err.splitlines()[-1] == (
-        f"error: the rollout process exited with status -9; the train side was stopped, its last complete "
-        f"checkpoint (if any) is in {cut}/checkpoints"
-    )
-    assert len(metrics(cut)) == 2  # step 3 is lost with the train side
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert len(metrics(cut)) in (2, 3)  # step 3 may have logged before the kill: its line is dropped on resume
 
-    proc = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={cut}", "trainer.save_every=0", split],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    resumed = subprocess.run(
+        [*cmd, f"trainer.run_dir={cut}", "pipeline.mode=async"], env=env, capture_output=True, text=True, timeout=600
     )
-    wait_until(lambda: len(metrics(cut)) >= 3, what="step 3", proc=proc)
-    sides = [_child_with(proc.pid, f"DAPO_ROLE={role}") for role in ("rollout", "train")]
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-4000:]
-    assert "resumed from step 2" in err and "SIGTERM: saved" in out
-    assert not any(Path(f"/proc/{pid}").exists() for pid in sides)  # both sides ended with the launcher
-    stopped_at = int(metrics(cut)[-1]["step"])
-    assert 3 <= stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000001", "step_00000002", f"step_{stopped_at:08d}"]
-    assert not (cut / "FINISHED").exists()  # stopped to be resumed, not done
-
-    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from step {stopped_at}" in resumed.stderr
+    assert "resumed from step 2" in resumed.stderr
     got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
     assert got == want
-    ran_async = [m["step"] <= stopped_at for m in lines]
-    assert [("weight_transport/gb" in m) for m in metrics(cut)] == ran_async  # the mode of the run that took it
+    assert [("weight_transport/gb" in m) for m in metrics(cut)] == [False, False, True, True, True]  # which mode
     assert (cut / "FINISHED").read_text().strip() == "5"
 
     def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
@@ -499,38 +472,55 @@ def test_kill_9_then_sigterm_then_resume_reproduces_the_uninterrupted_run(uninte
 
 
 @pytest.mark.slow
-def test_async_ahead_of_training_on_two_train_ranks_resumes_each_visit_once(uninterrupted, tmp_path):
+def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uninterrupted, tmp_path):
     """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
-    in flight) with two train ranks (--nproc 3: torchrun for the train side), the rollout process killed -9 once
-    step 2 is saved, then resumed to the end.
+    in flight) with two train ranks (--nproc 3: torchrun for the train side):
+
+    1. the rollout process killed -9 once step 2 is saved: the run stops at once with one error line, no process
+       of the train side left (torchrun's ranks run in sessions of their own);
+    2. resumed, and SIGTERM to the launcher after step 3: the train side saves, stops the controller, exits 0.
 
     When an update lands depends on timing, so no run equals another step for step; what must hold is checked from
     the run's own record: each batch is trained by the weights of its index (an update is applied before the batch
-    that needs it is handed out), tokens were trained a version after they were sampled (the overlap happened), and
-    the prompt memory in the last checkpoint counts exactly the groups the surviving steps generated, so every visit
-    after the resume was trained or rejected once and none from the killed run's lost steps leaked into the state.
+    that needs it is handed out), tokens were trained a version after they were sampled (the overlap happened),
+    each step's generated tokens are counted once, and the prompt memory in the last checkpoint counts exactly the
+    groups the surviving steps generated: every visit trained or rejected once, none from the killed run's lost
+    steps and none of the batch collected after the last one leaked into the saved state.
     """
     import signal
 
+    import psutil
+
     cmd, env, _, _ = uninterrupted
     run = tmp_path / "run"
+    ckpt = run / "checkpoints"
     ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc", "3"]
     proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    done2 = run / "checkpoints" / "step_00000002" / "COMPLETE"
-    wait_until(done2.is_file, what="step 2's checkpoint", proc=proc)
+    wait_until((ckpt / "step_00000002" / "COMPLETE").is_file, what="step 2's checkpoint", proc=proc)
+    train_side = [p.pid for p in psutil.Process(_child_with(proc.pid, "DAPO_ROLE=train")).children(recursive=True)]
+    train_side.append(_child_with(proc.pid, "DAPO_ROLE=train"))
     os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout process exited with status -9")
-    resumed = subprocess.run([*cmd, *ahead], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from step 2" in resumed.stderr or "resumed from step 3" in resumed.stderr
+    assert len(train_side) == 3 and not [pid for pid in train_side if _running(pid)]
+
+    proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: len(metrics(run)) >= 3, what="step 3", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "resumed from step 2" in err and "SIGTERM: saved" in out
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert [m["pipeline/weights_version"] for m in lines] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    stopped_at = len(lines)
+    assert 3 <= stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert [m["step"] for m in lines] == [float(k) for k in range(1, stopped_at + 1)]
+    assert [m["pipeline/weights_version"] for m in lines] == [float(k) for k in range(stopped_at)]
     assert all(m["pipeline/updates"] >= 1 and m["pipeline/update_pause_s"] > 0 for m in lines)
     assert max(m["staleness/max"] for m in lines) >= 1  # sampled by the weights before the ones training it
-    assert all(m["tokens/trained_total"] > 0 and m["tokens/generated"] > 0 for m in lines)
-    last = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+    # a step's tokens are counted by the step that generated them, whatever weights did: each lands in one bin
+    parts = ("trained", "wasted", "carried", "paused", "uninformative")
+    assert all(m["tokens/generated"] == sum(m[f"tokens/{p}"] for p in parts) > 0 for m in lines)
+    last = torch.load(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt", weights_only=False)
     visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
     assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines))
 
@@ -563,6 +553,16 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
     for m in lines:  # the phases are timed apart and within the step
         phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
         assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
+
+
+def _running(pid: int) -> bool:
+    """pid is a process that has not exited (a killed orphan stays a zombie until this container's init reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _child_with(pid: int, env_entry: str) -> int:

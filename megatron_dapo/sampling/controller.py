@@ -11,11 +11,13 @@ At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader s
 controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
 waits for the other except where it must, each saying in the store what it is ready for:
 
-    train rank 0 sets dapo/update/V (V = steps trained), then broadcasts update V over the weights group
-    train rank 0 sets dapo/want/K when the trainer asks for batch K; every train rank waits for dapo/ready/K, then
-        receives it (the groups, every response, stats, the loader's state after it; or {"error": ...})
-    the controller sets dapo/ready/K when batch K is collected, and broadcasts it once it is wanted
-    train rank 0 sets dapo/stop at the end
+    dapo/update = "V T": train rank 0 is sending update V (V = steps trained; T its clock) over the weights group
+    dapo/want = K:       train rank 0 asks for batch K; every train rank waits until dapo/ready >= K, then receives
+                         it (the groups, every response, stats, the loader's state after it; or {"error": ...})
+    dapo/ready = K:      the controller has collected batches up to K, and broadcasts K once it is wanted
+    dapo/stop:           train rank 0, at the end
+
+A key holding what the other side did not expect (an update or a batch out of order) is an error, never a wait.
 
 The controller collects batch K + 1 while batch K trains, as long as the batches collected and not trained stay
 within sampler.max_staleness (eta); between two ticks of a step it hands out a wanted batch and applies an update
@@ -137,6 +139,11 @@ def _expect(msg: Any, *cmds: str) -> dict:
     return msg
 
 
+def _wanted(store: Any) -> Optional[int]:
+    """The batch train rank 0 asks for (None: none yet)."""
+    return int(store.get("dapo/want")) if store.check(["dapo/want"]) else None
+
+
 class _Stop(Exception):
     """The train side set dapo/stop."""
 
@@ -185,7 +192,7 @@ class RolloutController:
 
     def _hand_out(self, reply: dict[str, Any]) -> None:
         self.outbox.append(reply)
-        self.store.set(f"dapo/ready/{self.served + len(self.outbox) - 1}", "1")
+        self.store.set("dapo/ready", str(self.served + len(self.outbox) - 1))
         self._service()
 
     def _wait(self, done: Any) -> None:
@@ -197,27 +204,33 @@ class RolloutController:
         """Hand out a wanted batch, then apply an update that has arrived; True if it did either. Raises _Stop once
         the train side has set stop and nothing is left to do."""
         did = False
-        if self.outbox and self.store.check([f"dapo/want/{self.served}"]):
+        wanted = _wanted(self.store)
+        if wanted is not None and wanted not in (self.served - 1, self.served):
+            raise RuntimeError(f"rollout controller: the train side asks for batch {wanted}, the next is {self.served}")
+        if self.outbox and wanted == self.served:
             reply = self.outbox.pop(0)
             if "stats" in reply:
                 reply["stats"] = {**reply["stats"], **self._update_stats()}
             self.batches.broadcast_object(reply, src=0)
             self.served += 1
             did = True
-        expected = self.loader.version if self.weights is None else self.weights + 1
-        if self.store.check([f"dapo/update/{expected}"]):
-            self._apply_update(expected)
-            did = True
+        if self.store.check(["dapo/update"]):
+            version, sent_at = self.store.get("dapo/update").decode().split()
+            if int(version) != self.weights:  # a new one: the sender waits in the broadcast until it is taken
+                self._apply_update(int(version), float(sent_at))
+                did = True
         if not did and self.store.check(["dapo/stop"]):
             raise _Stop
         return did
 
-    def _apply_update(self, expected: int) -> None:
-        """Update `expected`, streamed into the engine between two of its steps; the groups in flight go on."""
-        version = self.receiver.begin()
-        if version != expected:
-            raise RuntimeError(f"rollout controller: expected weight update {expected}, the train side sent {version}")
-        sent_at = float(self.store.get(f"dapo/update/{version}"))
+    def _apply_update(self, version: int, sent_at: float) -> None:
+        """Update `version`, streamed into the engine between two of its steps; the groups in flight go on."""
+        expected = self.loader.version if self.weights is None else self.weights + 1
+        if version != expected or self.receiver.begin() != version:
+            raise RuntimeError(
+                f"rollout controller: expected weight update {expected} (the engine holds "
+                f"{'none' if self.weights is None else self.weights}), the train side sent {version}"
+            )
         pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
         self.weights = self.loader.weights_version = version
         # admission counts the batches collected and not trained as started (sampler.max_staleness)
@@ -276,9 +289,9 @@ class RemoteRollout:
         """The controller's next batch; every response of it is on every train rank (`local`)."""
         t0 = time.perf_counter()
         if self.rank == 0:
-            self.store.set(f"dapo/want/{self.batch}", "1")
-        while not self.store.check([f"dapo/ready/{self.batch}"]):  # no collective timeout while it is collected
-            time.sleep(self.POLL_S)
+            self.store.set("dapo/want", str(self.batch))
+        while not self.store.check(["dapo/ready"]) or int(self.store.get("dapo/ready")) < self.batch:
+            time.sleep(self.POLL_S)  # no collective timeout while the batch is collected
         reply = self.batches.broadcast_object(None, src=0)
         self.batch += 1
         if "error" in reply:
@@ -291,7 +304,7 @@ class RemoteRollout:
         """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
         (the controller joins the broadcast between two of its ticks)."""
         if self.rank == 0:
-            self.store.set(f"dapo/update/{version}", repr(time.time()))
+            self.store.set("dapo/update", f"{version} {time.time()!r}")
         self.sender.begin(version)
         metrics = bridge.sync(self.sender)
         return {**metrics, **self.sender.stats}
