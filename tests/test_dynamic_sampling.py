@@ -635,6 +635,36 @@ def test_paused_groups_continue_with_their_tokens_and_versions(pool):
             assert set(after.versions[len(before.versions) :]) <= {1, 2}
 
 
+def test_async_tokens_are_tagged_by_the_weights_and_counted_by_the_step_that_made_them(pool):
+    """Asynchronous DAPO (the rollout controller sets weights_version): the engines' weights lag the batch count by
+    one, so every token generated for batch k is tagged k - 1 and trained one version stale, while the step's token
+    counts still go by the step that generated a token (a count by version would find none of batch k's tokens)."""
+    engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 6 if i % 2 else 30), capacity=16)
+    ds = loader(
+        make_dataset(50),
+        engine,
+        pool,
+        mode="stream",
+        partial_rollout=True,
+        max_staleness=1,
+        train_batch_size=3,
+        engine_sequences=4 * G,
+        shuffle=False,
+    )
+    parts = ("trained", "wasted", "carried", "paused", "uninformative")
+    for k in range(4):
+        ds.weights_version = max(0, k - 1)  # what the controller holds while it collects batch k at eta = 1
+        b = ds.next_batch()
+        st = b.stats
+        assert st["tokens/generated"] == sum(st[f"tokens/{p}"] for p in parts) > 0
+        fresh = [g for g in b.groups if g.finished_in == k]  # the rest were carried in from an earlier step
+        assert all(0 < g.fresh_tokens <= g.tokens for g in fresh)
+        assert st["tokens/trained"] == sum(g.fresh_tokens for g in fresh) > 0
+        if k >= 1:
+            assert st["staleness/tokens_0"] == 0 and st["staleness/max"] >= 1  # nothing sampled by weights k
+            assert all(r.versions[-1] == k - 1 for g in fresh for r in b.local[g.key])
+
+
 # ------------------------------------------------------------------ shortfall
 
 
