@@ -443,24 +443,56 @@ def long_tailed(p: int, j: int, seed: int) -> tuple[int, bool]:
     return length, r.random() < (0.7 if length < 20 else 0.3)
 
 
-def _trained_lengths(pool, mode: str, seed: int, steps: int = 80, scheduler=None, batch: int = 6, **kw) -> list[int]:
+def lagging_weights(ds, eta: int, train_ticks: int = 3):
+    """Drive `ds` as the rollout controller does at eta (pipeline.mode=async), deterministically: batch k is collected
+    while the batches before it train, starting with the weights of version k - eta (the slowest trainer admission
+    allows), and each later update lands train_ticks ticks after the one before; admission counts the batches
+    handed out and not trained (untrained_batches). Returns next_batch()."""
+    ticks = [0]
+
+    def land() -> None:
+        k = ds.version
+        ds.weights_version = min(k, max(0, k - eta + ticks[0] // train_ticks))
+        ds.scheduler.untrained_batches = k - ds.weights_version
+
+    def between_ticks() -> None:
+        ticks[0] += 1
+        land()
+
+    def next_batch():
+        ticks[0] = 0
+        land()
+        return ds.next_batch()
+
+    ds.between_ticks = between_ticks
+    return next_batch
+
+
+def _trained_lengths(
+    pool, mode: str, seed: int, steps: int = 80, scheduler=None, batch: int = 6, async_eta=None, **kw
+) -> list[int]:
     """The response length of every sample of every group trained in `steps` steps of 6 groups (engines run every
-    group at once; partial rollout keeps 12 groups generating). kw: sampler fields (max_staleness, drop_stale)."""
+    group at once; partial rollout keeps 12 groups generating). kw: sampler fields (max_staleness, drop_stale).
+    async_eta: collected as the asynchronous controller does at that eta (lagging_weights)."""
     kw = {"mode": mode, "seed": seed} | kw
     if mode == "partial":
         kw |= {"mode": "stream", "partial_rollout": True, "engine_sequences": 12 * G}
+    if async_eta is not None:
+        kw["max_staleness"] = async_eta
     ds = loader(
         make_dataset(3000), ScriptedEngine(long_tailed), pool, train_batch_size=batch, gen_batch_size=2 * batch, **kw
     )
     if scheduler is not None:
         ds.scheduler = scheduler(ds.scheduler.cfg, 3000, 1, group_size=G, seed=seed)
-    return [n for _ in range(steps) for g in ds.next_batch().groups for n in g.lengths]
+    next_batch = ds.next_batch if async_eta is None else lagging_weights(ds, async_eta)
+    return [n for _ in range(steps) for g in next_batch().groups for n in g.lengths]
 
 
 def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
     """Over 80 steps of 6 groups (1920 responses each): fill sees every round to its end, so its trained responses
     are the unbiased reference, and stream and partial rollout at eta = 1 and 2 must be drawn from the same length
-    distribution (two-sample Kolmogorov-Smirnov). Negative controls, which the same test must reject: the old
+    distribution (two-sample Kolmogorov-Smirnov), as must partial rollout collected as the asynchronous controller
+    collects it at eta = 1 and 2 (its weights lagging, admission counting the batches not trained). Negative controls, which the same test must reject: the old
     drop rule at max_staleness=1 (it drops the longest groups) and first-finished-with-abort (which re-samples a
     long group until it comes out short)."""
     from scipy.stats import ks_2samp
@@ -472,6 +504,8 @@ def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
         "stream": stream,
         "partial eta=1": _trained_lengths(pool, "partial", seed),
         "partial eta=2": _trained_lengths(pool, "partial", seed, max_staleness=2),
+        "async eta=1": _trained_lengths(pool, "partial", seed, async_eta=1),
+        "async eta=2": _trained_lengths(pool, "partial", seed, async_eta=2),
         "drop_stale 1": _trained_lengths(pool, "partial", seed, drop_stale=True),
         "first_finished": _trained_lengths(pool, "partial", seed, scheduler=FirstFinished),
     }
@@ -482,7 +516,7 @@ def test_no_length_bias_trained_lengths_are_distributed_as_fill_s(pool, seed):
     assert 17 < mean["fill"] < 26
     # equal distributions: p is uniform, so 1e-5 fails a correct sampler once in 1e5 runs; the controls measure
     # 1e-13 to 1e-22 (seeds 1-3, 11-13)
-    for name in ("stream", "partial eta=1", "partial eta=2"):
+    for name in ("stream", "partial eta=1", "partial eta=2", "async eta=1", "async eta=2"):
         assert p[name] > 1e-5, (name, p, mean)
     for name in ("drop_stale 1", "first_finished"):
         assert p[name] < 1e-8 and mean[name] < mean["fill"] - 2, (name, p, mean)
@@ -562,10 +596,11 @@ def test_admission_never_drops_a_started_group_and_reports_its_staleness(pool):
     assert not _lost_prompts(engine, ds, kept)
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2])
-def test_admission_keeps_engines_busy_at_a_low_informative_fraction_and_holds_its_bound(pool, seed, eta):
+@pytest.mark.parametrize("eta,split", [(0, False), (1, False), (2, False), (1, True), (2, True)])
+def test_admission_keeps_engines_busy_at_a_low_informative_fraction_and_holds_its_bound(pool, seed, eta, split):
     """About 1 group in 4 informative: running groups count as the estimated fraction, so (1 + eta) batches ahead
-    allow ~4 (1 + eta) B groups to run, not (1 + eta) B; and at every decision the bound holds."""
+    allow ~4 (1 + eta) B groups to run, not (1 + eta) B; and at every decision the bound holds. split: collected
+    as the asynchronous controller does (lagging_weights), the batches handed out and not trained counted whole."""
     rng = random.Random(seed)
     informative = {i: rng.random() < 0.25 for i in range(3000)}
     script = correct_first(lambda i: 2 if informative[i] else 0, length=lambda i, j: 20 + (i * 7 + j * 3) % 41)
@@ -589,18 +624,19 @@ def test_admission_keeps_engines_busy_at_a_low_informative_fraction_and_holds_it
     def checked_plan():  # the bound is on starts: whenever groups start, with the estimate they started under
         out = plan()
         st = sched._step
-        ahead = len(st.batch) + len(st.surplus) + len(sched.carry)
+        ahead = sched.untrained_batches * B + len(st.batch) + len(st.surplus) + len(sched.carry)
         if out:
             assert ahead + sched._informative_estimate() * len(sched.flight) <= (1 + eta) * B + 1e-9
         return out
 
     sched.plan = checked_plan
+    next_batch = lagging_weights(ds, eta) if split else ds.next_batch
     flights = []
     for _ in range(15):
-        b = ds.next_batch()
+        b = next_batch()
         flights.append(b.stats["sampler/in_flight_max"])
     busy = engine.stats["stream_busy_steps"] / engine.stats["stream_steps"]
-    print(f"eta={eta}: engines busy {busy:.3f} of their steps, groups in flight at most {max(flights)}")
+    print(f"eta={eta} split={split}: engines busy {busy:.3f} of their steps, groups in flight at most {max(flights)}")
     assert busy > 0.95  # idle only while finished groups wait a tick to be scored (eta = 0 starts nothing then)
     assert statistics.median(flights) >= 0.6 * (1 + eta) * B / 0.25  # a mutant counting them whole gets (1 + eta) B
 
