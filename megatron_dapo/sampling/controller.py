@@ -31,6 +31,7 @@ generated again on resume (each prompt visit trained or rejected once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -312,4 +313,5 @@ class RemoteRollout:
     def close(self) -> None:
         """Tell the controller to stop (it looks between ticks, and while it waits)."""
         if self.rank == 0:
-            self.store.set("dapo/stop", "1")
+            with contextlib.suppress(Exception):  # a controller already gone (its store with it) ended the run
+                self.store.set("dapo/stop", "1")
