@@ -640,20 +640,16 @@ def test_admission_keeps_engines_busy_at_a_low_informative_fraction_and_holds_it
     assert statistics.median(flights) >= 0.6 * (1 + eta) * B / 0.25  # a mutant counting them whole gets (1 + eta) B
 
 
-def test_paused_groups_continue_with_their_tokens_and_versions(pool):
+def _short_and_long_partial(pool, max_staleness: int):
+    """Partial rollout in steps of 3 groups over prompts whose odd ones answer in 6 tokens and even ones in 30 (those
+    outlive a step), every group 2 of 4 right, 4 groups generating at once."""
     engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 6 if i % 2 else 30), capacity=16)
-    ds = loader(
-        make_dataset(50),
-        engine,
-        pool,
-        mode="stream",
-        partial_rollout=True,
-        max_staleness=2,
-        train_batch_size=3,
-        engine_sequences=4 * G,
-        max_response_length=100,
-        shuffle=False,
-    )
+    kw = dict(mode="stream", partial_rollout=True, train_batch_size=3, engine_sequences=4 * G, shuffle=False)
+    return loader(make_dataset(50), engine, pool, max_staleness=max_staleness, **kw)
+
+
+def test_paused_groups_continue_with_their_tokens_and_versions(pool):
+    ds = _short_and_long_partial(pool, max_staleness=2)
     first = ds.next_batch()
     paused = {p.key: ds.partial[p.key] for p in ds.scheduler.paused}
     assert paused and first.stats["tokens/paused"] > 0
@@ -674,18 +670,7 @@ def test_async_tokens_are_tagged_by_the_weights_and_counted_by_the_step_that_mad
     """Asynchronous DAPO (the rollout controller sets weights_version): the engines' weights lag the batch count by
     one, so every token generated for batch k is tagged k - 1 and trained one version stale, while the step's token
     counts still go by the step that generated a token (a count by version would find none of batch k's tokens)."""
-    engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 6 if i % 2 else 30), capacity=16)
-    ds = loader(
-        make_dataset(50),
-        engine,
-        pool,
-        mode="stream",
-        partial_rollout=True,
-        max_staleness=1,
-        train_batch_size=3,
-        engine_sequences=4 * G,
-        shuffle=False,
-    )
+    ds = _short_and_long_partial(pool, max_staleness=1)
     parts = ("trained", "wasted", "carried", "paused", "uninformative")
     for k in range(4):
         ds.weights_version = max(0, k - 1)  # what the controller holds while it collects batch k at eta = 1

@@ -222,7 +222,7 @@ class DynamicSamplingLoader:
             prompt = self.dataset[sub.index]
             self._engine_of[sub.key] = sub.engine
             prefixes = self.partial.pop(sub.key, None) if sub.resume else None
-            self._base[sub.key] = sum(len(r.token_ids) for r in prefixes or [])
+            self._base[sub.key] = _num_tokens(prefixes or [])
             request = GroupRequest(
                 key=sub.key,
                 prompt_ids=list(prompt.token_ids),
@@ -238,7 +238,7 @@ class DynamicSamplingLoader:
     def _finished(self, engine: int, key: int, responses: list[Response]) -> None:
         """A group's last sample finished: shape its rewards and start scoring it (owner only)."""
         self._engine_of.pop(key, None)
-        base = self._base.pop(key, 0)
+        fresh = self._fresh_tokens(key, responses)
         if engine not in self.owned:
             return
         prompt = self.dataset[self.scheduler.flight[key].index]
@@ -251,8 +251,11 @@ class DynamicSamplingLoader:
         ticket = self.scorer.submit(
             [r.text for r in responses], [prompt.ground_truth] * len(responses), [prompt.data_source] * len(responses)
         )
-        fresh = sum(len(r.token_ids) for r in responses) - base
         self._pending.append((ticket, key, group, engine, self._tick, fresh))
+
+    def _fresh_tokens(self, key: int, responses: list[Response]) -> int:
+        """Tokens of `responses` generated since group `key` was (re)submitted this step; forgets that mark."""
+        return _num_tokens(responses) - self._base.pop(key, 0)
 
     def _collect_scored(self) -> list[GroupMeta]:
         """The groups that finished in an earlier tick: wait for their scores (the pool had a whole tick of
@@ -289,10 +292,9 @@ class DynamicSamplingLoader:
             aborted = self.engines[e].abort(sorted(keys))
             for key in keys:
                 self._engine_of.pop(key, None)
-                base = self._base.pop(key, 0)
+                fresh = self._fresh_tokens(key, aborted.get(key, []))
                 if e in self.owned:
-                    samples = aborted[key]
-                    stopped_samples[key] = (samples, sum(len(r.token_ids) for r in samples) - base)
+                    stopped_samples[key] = (aborted[key], fresh)
         for key, (group, fresh) in still_scoring.items():
             if key in stop:
                 stopped_samples[key] = (group.responses, fresh)
@@ -354,3 +356,7 @@ class DynamicSamplingLoader:
                 f"dynamic-sampling loader state: this rank owns groups {sorted(owned_keys)} by the scheduler's "
                 f"state but holds the responses of {sorted(held)}: the checkpoint's rank files do not belong together"
             )
+
+
+def _num_tokens(responses: list[Response]) -> int:
+    return sum(len(r.token_ids) for r in responses)
