@@ -571,8 +571,9 @@ class PipelineConfig:
     batches and weights travel between them (docs/async.md): the controller collects up to
     sampler.max_staleness batches ahead of training (0: the colocated run's steps exactly)."""
     rollout_gpus: int = 1
-    """async: processes (GPUs) of the rollout side, a multiple of rollout.tp; the train side is the
-    rest of the job's processes."""
+    """async: processes (GPUs) of the rollout side, a multiple of rollout.tp: one engine per
+    rollout.tp of them (on CPU one per process), in lockstep; the train side is the rest of the
+    job's processes."""
     recompute_kv: bool = True
     """async: a weight update arriving while groups generate re-reads their context under the new
     weights; false keeps the KV cache the old weights computed."""

@@ -1,11 +1,12 @@
 """Starting an asynchronous job's two sides on this machine (pipeline.mode=async; docs/async.md).
 
-`python -m megatron_dapo.train pipeline.mode=async ...` comes here: it starts one rollout process (the engine and
-the rollout controller) and the train side (one process, or torchrun with the rest of --nproc), tells them where to
-meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE), and waits. SIGTERM, SIGUSR1 and Ctrl-C
-go to the train side, which saves and stops the controller, as a colocated run saves and exits. The train side's
-exit status is the job's; a rollout process that dies ends the train side at once (its last complete checkpoint
-stays the one to resume from) with one error line. A Slurm job sets the same variables per srun step instead.
+`python -m megatron_dapo.train pipeline.mode=async ...` comes here: it starts the rollout side (one process, or
+torchrun with pipeline.rollout_gpus: the engines and the rollout controller) and the train side (one process, or
+torchrun with the rest of --nproc), tells them where to meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is
+(DAPO_ROLE), and waits. SIGTERM, SIGUSR1 and Ctrl-C go to the train side, which saves and stops the controller, as a
+colocated run saves and exits. The train side's exit status is the job's; a rollout side that dies ends the train side
+at once (its last complete checkpoint stays the one to resume from) with one error line. A Slurm job sets the same
+variables per srun step instead (slurm/train_qwen32b.sh, ROLLOUT_NODES).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 ROLLOUT_EXIT_GRACE_S = 60.0
-"""After the train side has exited, how long the rollout process may take to stop before it is killed."""
+"""After the train side has exited, how long the rollout side may take to stop before it is killed."""
 
 _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -82,7 +83,6 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             f"--nproc {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
         )
     args = [*(["--config", config] if config else []), *overrides]
-    module = [sys.executable, "-m", "megatron_dapo.train", *args]
     env = {k: v for k, v in os.environ.items() if k not in _WORLD_ENV}
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
     rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
@@ -91,12 +91,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
         rollout_env["CUDA_VISIBLE_DEVICES"], train_env["CUDA_VISIBLE_DEVICES"] = side_devices(
             visible, cfg.pipeline.rollout_gpus, train_procs
         )
-    rollout_cmd = module
-    if train_procs == 1:
-        train_cmd = module
-    else:  # --standalone: a local rendezvous on a free port
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={train_procs}"]
-        train_cmd = [*torchrun, "-m", "megatron_dapo.train", *args]
+    rollout_cmd, train_cmd = _side_command(args, cfg.pipeline.rollout_gpus), _side_command(args, train_procs)
     # own sessions: a Ctrl-C at the terminal reaches this process only, which asks the train side to save
     rollout = subprocess.Popen(rollout_cmd, env=rollout_env, start_new_session=True)
     train = subprocess.Popen(train_cmd, env=train_env, start_new_session=True)
@@ -119,7 +114,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
 
     def rollout_died() -> int:
         print(
-            f"error: the rollout process exited with status {rollout.returncode}; the train side was stopped, "
+            f"error: the rollout side exited with status {rollout.returncode}; the train side was stopped, "
             f"its last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
             file=sys.stderr,
             flush=True,
@@ -146,6 +141,15 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
         for proc in (train, rollout):
             if proc.poll() is None:
                 _kill_tree(proc)
+
+
+def _side_command(args: list[str], procs: int) -> list[str]:
+    """The command that starts one side's `procs` processes: the trainer's module, under torchrun for several
+    (--standalone: a local rendezvous on a free port, each side a torch.distributed world of its own)."""
+    if procs == 1:
+        return [sys.executable, "-m", "megatron_dapo.train", *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    return [*torchrun, "-m", "megatron_dapo.train", *args]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

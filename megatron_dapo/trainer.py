@@ -172,7 +172,9 @@ class Trainer:
         if cfg.pipeline.mode == "async":  # the engines and the loader live in the rollout process
             from megatron_dapo.sampling.controller import RemoteRollout, Transport, transport_backend
 
-            self.remote = self.loader = RemoteRollout(Transport.from_env(), self.layout.rank, transport_backend(cfg))
+            self.remote = self.loader = RemoteRollout(
+                Transport.from_env(), self.layout.rank, cfg.pipeline.rollout_gpus, transport_backend(cfg)
+            )
         else:
             self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
             self.pool = RewardPool.from_config(cfg.reward)

@@ -29,6 +29,11 @@
 # a node (NVLink); parallel.pp=2 splits the 64 layers across two nodes; cp=1; data parallel
 # = 128 / (8 x 2) = 8. rollout.tp=8: one vLLM engine per node (16 engines), each generating its share.
 #
+# Asynchronous DAPO (docs/async.md, docs/slurm.md): ROLLOUT_NODES=R runs the engines and the rollout
+# controller on the first R nodes and Megatron on the rest, as two srun steps of one torchrun per node
+# (pipeline.mode=async pipeline.rollout_gpus=R x GPUS_PER_NODE; they meet at the first node's TRANSPORT_PORT
+# and the next port); signals go to the train step, which saves and stops the controller. 0: colocated.
+#
 # Why it fits 80 GB GPUs (estimates; Qwen2.5-32B has ~32.8B parameters, 1/16 of them per GPU):
 #   weights bf16 4.1 GB + gradient buffer fp32 8.2 GB + master weights and Adam moments (12 B per
 #   parameter) sharded over the 8 data-parallel ranks by the distributed optimizer 3.1 GB = ~15 GB
@@ -76,7 +81,8 @@
 #
 # Logs: RUN_DIR/logs/JOB_ID/attempt_N/ (N = SLURM_RESTART_COUNT): batch.log (this script's
 # decisions), nodeK.log (node K's output, ranks prefixed [defaultL]:), torchrun/nodeK/ (per-rank
-# files). Progress: RUN_DIR/metrics.jsonl and TensorBoard in RUN_DIR/tensorboard.
+# files; ROLLOUT_NODES > 0: rollout_ and train_ before each). Progress: RUN_DIR/metrics.jsonl and
+# TensorBoard in RUN_DIR/tensorboard.
 set -euo pipefail
 
 # Settings; the environment wins. Relative paths are taken from REPO_DIR.
@@ -91,6 +97,8 @@ VENV=${VENV:-$REPO_DIR/.venv}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RDZV_PORT=${RDZV_PORT:-29500}
 SAVE_GRACE_S=${SAVE_GRACE_S:-2400}                 # torchrun's wait for workers after a signal; >= the --signal lead
+ROLLOUT_NODES=${ROLLOUT_NODES:-0}                  # asynchronous DAPO: the first R nodes run the engines; 0: colocated
+TRANSPORT_PORT=${TRANSPORT_PORT:-29600}            # async: the rollout controller's ports on the first node (this, +1)
 
 # shellcheck source=slurm/lib.sh
 source "$REPO_DIR/slurm/lib.sh" 2>/dev/null ||
@@ -109,7 +117,11 @@ require SLURM_NNODES "the number of nodes in the job (set by Slurm)"
 require MODEL_PATH "the Qwen2.5-32B base checkpoint directory: Hugging Face, or Megatron from slurm/convert_checkpoint.sh hf-to-megatron"
 require DATA_PATH "the DAPO-Math-17K prompt file (parquet or jsonl)"
 require VAL_PATH "the AIME 2024 file evaluated every eval.every steps (parquet or jsonl), or 'none' for no evaluation"
-for name in SLURM_NNODES GPUS_PER_NODE RDZV_PORT SAVE_GRACE_S; do require_int "$name"; done
+for name in SLURM_NNODES GPUS_PER_NODE RDZV_PORT SAVE_GRACE_S TRANSPORT_PORT; do require_int "$name"; done
+if [[ ! $ROLLOUT_NODES =~ ^[0-9]+$ ]] || ((ROLLOUT_NODES >= SLURM_NNODES)); then
+    die "ROLLOUT_NODES='$ROLLOUT_NODES': expected 0 (colocated) or the number of nodes that run the engines, fewer" \
+        "than the job's $SLURM_NNODES (the rest train)"
+fi
 
 [[ -f $REPO_DIR/megatron_dapo/train.py ]] ||
     die "REPO_DIR=$REPO_DIR has no megatron_dapo/train.py: submit from the repository root or set REPO_DIR"
@@ -139,26 +151,58 @@ mapfile -t hosts <<<"$hostnames"
 ((${#hosts[@]} == SLURM_NNODES)) ||
     die "SLURM_NNODES=$SLURM_NNODES but SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST holds ${#hosts[@]} hosts"
 head_node=${hosts[0]}
+node_addr() { # NAME: the address Slurm reaches node NAME at (its NodeAddr; the name where scontrol does not say)
+    local addr
+    addr=$(scontrol show node "$1" --oneliner 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2) || true
+    echo "${addr:-$1}"
+}
 
 job_log=$LOG_DIR/$SLURM_JOB_ID/attempt_${SLURM_RESTART_COUNT:-0}
 train=(-m megatron_dapo.train --config "$CONFIG" "trainer.run_dir=$RUN_DIR" "model.hf_path=$MODEL_PATH"
     "data.train_files=[$DATA_PATH]" "${validation[@]}" "$@")
-torchrun_args=(--nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" --rdzv-backend=c10d
-    --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0
-    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$SAVE_GRACE_S" --tee=3
-    "${train[@]}")
-node_args=("$job_log/torchrun" "$VENV/bin/torchrun" "${torchrun_args[@]}")
-# Since Slurm 22.05 a step does not inherit the job's CPUs per task: give the one task the whole node.
-srun_cmd=(srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1
-    ${SLURM_CPUS_ON_NODE:+"--cpus-per-task=$SLURM_CPUS_ON_NODE"} --kill-on-bad-exit=1
-    --chdir="$REPO_DIR" --output="$job_log/node%n.log" bash "$REPO_DIR/slurm/torchrun_node.sh" "${node_args[@]}")
+sides=(all)
+if ((ROLLOUT_NODES)); then # two srun steps on nodes of their own; they meet at the rollout controller on the first node
+    sides=(rollout train)
+    train+=(pipeline.mode=async "pipeline.rollout_gpus=$((ROLLOUT_NODES * GPUS_PER_NODE))")
+    meet=("DAPO_TRANSPORT=$(node_addr "$head_node"):$TRANSPORT_PORT" "DAPO_TRAIN_PROCS=$(((SLURM_NNODES - ROLLOUT_NODES) * GPUS_PER_NODE))")
+fi
+# side NAME: one side's srun step in `srun`, its nodes in `step_hosts`, their torchrun_node.sh arguments in
+# `node_args`. all: the colocated job's one step on every node; rollout: the first ROLLOUT_NODES nodes, train: the
+# rest, each with its role and the meeting point in its environment, a rendezvous and logs of its own.
+side() {
+    local first=0 count=$SLURM_NNODES port=$RDZV_PORT tag="" rdzv_id=$SLURM_JOB_ID own=()
+    case $1 in
+        rollout) count=$ROLLOUT_NODES ;;
+        train) first=$ROLLOUT_NODES count=$((SLURM_NNODES - ROLLOUT_NODES)) port=$((RDZV_PORT + 1)) ;;
+    esac
+    step_hosts=("${hosts[@]:first:count}")
+    if [[ $1 != all ]]; then
+        tag=${1}_ rdzv_id=$SLURM_JOB_ID-$1
+        own=(--nodelist="$(IFS=, && echo "${step_hosts[*]}")"
+            --export="$(IFS=, && echo "ALL,DAPO_ROLE=$1,${meet[*]}")")
+    fi
+    node_args=("$job_log/${tag}torchrun" "$VENV/bin/torchrun" --nnodes="$count" --nproc-per-node="$GPUS_PER_NODE"
+        --rdzv-backend=c10d --rdzv-endpoint="$(node_addr "${step_hosts[0]}"):$port" --rdzv-id="$rdzv_id" --max-restarts=0
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$SAVE_GRACE_S" --tee=3
+        "${train[@]}")
+    # Since Slurm 22.05 a step does not inherit the job's CPUs per task: give the one task the whole node.
+    srun=(srun --nodes="$count" --ntasks="$count" --ntasks-per-node=1 "${own[@]}"
+        ${SLURM_CPUS_ON_NODE:+"--cpus-per-task=$SLURM_CPUS_ON_NODE"} --kill-on-bad-exit=1
+        --chdir="$REPO_DIR" --output="$job_log/${tag}node%n.log" bash "$REPO_DIR/slurm/torchrun_node.sh"
+        "${node_args[@]}")
+}
 
 if ((dry_run)); then
-    echo "# srun, run once by the batch script on $head_node:"
-    quote "${srun_cmd[@]}"
-    for i in "${!hosts[@]}"; do
-        echo "# node $i of $SLURM_NNODES: ${hosts[i]}$( ((i > 0)) || echo " (rendezvous host)")"
-        SLURM_NODEID=$i bash "$REPO_DIR/slurm/torchrun_node.sh" --print "${node_args[@]}"
+    for name in "${sides[@]}"; do
+        side "$name"
+        what=""
+        [[ $name == all ]] || what="$name "
+        echo "# srun${what:+ (${what}side)}, run once by the batch script on $head_node:"
+        quote "${srun[@]}"
+        for i in "${!step_hosts[@]}"; do
+            echo "# ${what}node $i of ${#step_hosts[@]}: ${step_hosts[i]}$( ((i > 0)) || echo " (rendezvous host)")"
+            SLURM_NODEID=$i bash "$REPO_DIR/slurm/torchrun_node.sh" --print "${node_args[@]}"
+        done
     done
     exit 0
 fi
@@ -188,10 +232,20 @@ trap 'on_signal USR1' USR1
 trap 'on_signal USR2' USR2
 trap 'on_signal TERM' TERM
 
-log "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs," \
-    "rendezvous $head_node:$RDZV_PORT, run dir $RUN_DIR, latest checkpoint: ${latest_before:-none}, logs: $job_log"
-log "$(quote "${srun_cmd[@]}")"
-"${srun_cmd[@]}" &
+log "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs" \
+    "($( ((ROLLOUT_NODES)) && echo "async: $ROLLOUT_NODES of them rollout, transport $head_node:$TRANSPORT_PORT" ||
+        echo colocated)), rendezvous $head_node:$RDZV_PORT, run dir $RUN_DIR," \
+    "latest checkpoint: ${latest_before:-none}, logs: $job_log"
+rollout_pid=""
+if ((ROLLOUT_NODES)); then # the engines first: the train side connects to their controller
+    side rollout
+    log "$(quote "${srun[@]}")"
+    "${srun[@]}" &
+    rollout_pid=$!
+fi
+side "${sides[-1]}" # all, or train: the step whose end and signals decide the job
+log "$(quote "${srun[@]}")"
+"${srun[@]}" &
 srun_pid=$!
 # a USR1/USR2 that arrived before srun's pid was known (its trap could not pass it on) is passed on now
 if [[ -n $stop_signal && $stop_signal != TERM ]]; then kill -USR1 "$srun_pid" 2>/dev/null || true; fi
@@ -201,6 +255,19 @@ while :; do
     wait "$srun_pid" || rc=$?
     kill -0 "$srun_pid" 2>/dev/null || break
 done
+if [[ -n $rollout_pid ]]; then # the train side has told the controller to stop, or failed (the run is over)
+    for _ in $(seq 600); do
+        kill -0 "$rollout_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$rollout_pid" 2>/dev/null; then
+        log "the rollout step is still running 60 s after the train step ended: cancelling it"
+        kill -INT "$rollout_pid" 2>/dev/null && sleep 0.3 && kill -INT "$rollout_pid" 2>/dev/null # twice: srun kills it
+    fi
+    rollout_rc=0
+    wait "$rollout_pid" || rollout_rc=$?
+    ((rollout_rc == 0)) || log "the rollout step exited with status $rollout_rc"
+fi
 
 if [[ -f $RUN_DIR/FINISHED ]]; then
     log "run finished at step $(<"$RUN_DIR/FINISHED")"

@@ -258,6 +258,41 @@ def test_state_save_restore_mid_epoch(pool, mode):
             mismatched.load_state_dict(state)
 
 
+def test_a_state_merged_over_ranks_loads_as_each_rank_s_share(pool):
+    """The asynchronous rollout side's ranks each hold their own engine's groups; the state the controller hands the
+    train side is their merge (one rank's shape), and each rank loading it keeps exactly its own share: the shares
+    merge back into the whole, and resumed they take the steps the uninterrupted loader takes."""
+    script = correct_first(lambda i: [0, 1, 2, 4][i % 4], length=lambda i, j: 1 + (i * 7 + j * 3) % 13)
+    kw = dict(partial_rollout=True, mode="stream", train_batch_size=4, gen_batch_size=3, seed=7)
+
+    def two_engines(owned=None):
+        engines = {0: ScriptedEngine(script, capacity=4), 1: ScriptedEngine(script, capacity=4)}
+        cfg = loader_config(group_size=G, max_response_length=100, overlong_buffer_len=20, tick_steps=2, **kw)
+        return DynamicSamplingLoader(cfg, make_dataset(23), engines, pool, num_engines=2, owned=owned)
+
+    whole = two_engines()
+    for _ in range(3):
+        whole.next_batch()
+    state = torch_round_trip(whole.state_dict())
+    held = {e: {p["key"] for p in state["scheduler"]["paused"] if p["engine"] == e} for e in (0, 1)}
+    assert held[0] and held[1]  # each engine has groups in flight at the step's end
+    shares = []
+    for e in (0, 1):
+        rank = two_engines(owned={e})
+        with pytest.raises(ValueError, match="do not belong together"):
+            rank.load_state_dict(state)  # a rank's own state must hold exactly its groups
+        rank.load_state_dict(state, merged=True)
+        assert set(rank.partial) == held[e]
+        shares.append(rank.state_dict())
+    assert same_state(DynamicSamplingLoader.merge_states(shares), state)
+    resumed = two_engines()
+    resumed.load_state_dict(DynamicSamplingLoader.merge_states(shares), merged=True)
+    a, b = whole.next_batch(), resumed.next_batch()
+    assert [(g.index, g.lengths, g.version_tokens) for g in a.groups] == [
+        (g.index, g.lengths, g.version_tokens) for g in b.groups
+    ]
+
+
 def test_dynamic_bs_trains_on_one_round(pool):
     correct = {i: [0, 2, G][i % 3] for i in range(30)}
     engine = ScriptedEngine(correct_first(lambda i: correct[i]))

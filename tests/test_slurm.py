@@ -25,7 +25,8 @@ CONFIG = "examples/dapo_math_qwen2.5_32b.yaml"
 JOB_ID = "31337"
 
 FAKE_SCONTROL = f"""#!{sys.executable}
-# fake scontrol: `show hostnames LIST` expands prefix[a-b,c] lists; `requeue JOB` is recorded
+# fake scontrol: `show hostnames LIST` expands prefix[a-b,c] lists; `show node NAME --oneliner` gives its address
+# ip-NAME; `requeue JOB` is recorded
 import os, re, sys
 
 args = sys.argv[1:]
@@ -39,6 +40,8 @@ if args[:2] == ["show", "hostnames"]:
             lo, _, hi = span.partition("-")
             for i in range(int(lo), int(hi or lo) + 1):
                 print(f"{{m.group(1)}}{{i:0{{len(lo)}}d}}")
+elif args[:2] == ["show", "node"] and args[3:] == ["--oneliner"]:
+    print(f"NodeName={{args[2]}} Arch=x86_64 NodeAddr=ip-{{args[2]}} NodeHostName={{args[2]}} State=ALLOCATED")
 elif args[:1] == ["requeue"]:
     with open(os.environ["FAKE_DIR"] + "/requeued", "a") as f:
         f.write(" ".join(args[1:]) + "\\n")
@@ -156,13 +159,15 @@ def train_words(job: dict, *overrides: str) -> list[str]:
     ]
 
 
-def torchrun_common(nnodes: int, head: str, port: int = 29500, gpus: int = 8, grace: int = 2400) -> list[str]:
+def torchrun_common(
+    nnodes: int, head: str, port: int = 29500, gpus: int = 8, grace: int = 2400, rdzv_id: str = JOB_ID
+) -> list[str]:
     return [
         f"--nnodes={nnodes}",
         f"--nproc-per-node={gpus}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={head}:{port}",
-        f"--rdzv-id={JOB_ID}",
+        f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         f"--shutdown-timeout={grace}",
@@ -191,7 +196,12 @@ def test_train_dry_run_prints_srun_and_every_node(job, nodelist, hosts):
 
     n = len(hosts)
     logs = job["run"] / "logs" / JOB_ID / "attempt_0"
-    torchrun = [str(job["venv"] / "bin" / "torchrun"), *torchrun_common(n, hosts[0]), *train_words(job, *overrides)]
+    # the rendezvous at the first node's address as Slurm knows it (NodeAddr): its name may not resolve
+    torchrun = [
+        str(job["venv"] / "bin" / "torchrun"),
+        *torchrun_common(n, f"ip-{hosts[0]}"),
+        *train_words(job, *overrides),
+    ]
     header, srun = out[0]
     assert header == f"# srun, run once by the batch script on {hosts[0]}:"
     assert srun == [
@@ -234,7 +244,7 @@ def test_train_dry_run_settings_from_the_environment(job):
     assert f"--output={logs}/node%n.log" in srun
     assert node1[1:3] == ["--rdzv-conf=is_host=0,read_timeout=300", f"--log-dir={logs}/torchrun/node1"]
     assert node1[3:] == [
-        *torchrun_common(2, "a1", port=31000, gpus=4, grace=3600),
+        *torchrun_common(2, "ip-a1", port=31000, gpus=4, grace=3600),
         "-m",
         "megatron_dapo.train",
         "--config",
@@ -244,6 +254,53 @@ def test_train_dry_run_settings_from_the_environment(job):
         f"data.train_files=[{job['data']}]",
         "eval.every=0",
     ]
+
+
+def test_train_dry_run_async_splits_the_nodes_into_two_steps(job):
+    """ROLLOUT_NODES=1 of 4: a rollout step on the first node, a train step on the other three, each with its role,
+    the controller's address and the train side's size in its environment, a rendezvous and logs of its own; the
+    trainer's overrides end with the split (the engines' processes: the rollout nodes' GPUs)."""
+    env = dict(job["env"], ROLLOUT_NODES="1", TRANSPORT_PORT="29700")
+    p = run("train_qwen32b.sh", "--dry-run", "trainer.total_steps=200", env=env)
+    assert p.returncode == 0, p.stderr
+    out = blocks(p.stdout)
+    assert [h for h, _ in out] == [
+        "# srun (rollout side), run once by the batch script on gpu001:",
+        "# rollout node 0 of 1: gpu001 (rendezvous host)",
+        "# srun (train side), run once by the batch script on gpu001:",
+        "# train node 0 of 3: gpu002 (rendezvous host)",
+        "# train node 1 of 3: gpu003",
+        "# train node 2 of 3: gpu004",
+    ]
+    logs = job["run"] / "logs" / JOB_ID / "attempt_0"
+    words = train_words(job, "trainer.total_steps=200", "pipeline.mode=async", "pipeline.rollout_gpus=8")
+    meet = "DAPO_TRANSPORT=ip-gpu001:29700,DAPO_TRAIN_PROCS=24"
+    for (_, srun), side, nodes, head, port in [
+        (out[0], "rollout", ["gpu001"], "ip-gpu001", 29500),
+        (out[2], "train", ["gpu002", "gpu003", "gpu004"], "ip-gpu002", 29501),
+    ]:
+        n = len(nodes)
+        assert srun[:6] == [
+            "srun",
+            f"--nodes={n}",
+            f"--ntasks={n}",
+            "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}",
+            f"--export=ALL,DAPO_ROLE={side},{meet}",
+        ]
+        assert f"--output={logs}/{side}_node%n.log" in srun
+        torchrun = torchrun_common(n, head, port=port, rdzv_id=f"{JOB_ID}-{side}")
+        assert srun[-len(torchrun) - len(words) :] == [*torchrun, *words]
+    assert out[5][1][1:3] == ["--rdzv-conf=is_host=0,read_timeout=300", f"--log-dir={logs}/train_torchrun/node2"]
+
+
+@pytest.mark.parametrize("value", ["4", "-1", "two"])
+def test_train_rollout_nodes_must_leave_nodes_to_train(job, value):
+    p = run("train_qwen32b.sh", "--dry-run", env=dict(job["env"], ROLLOUT_NODES=value))
+    assert p.returncode == 2
+    assert p.stderr.startswith(f"error: ROLLOUT_NODES='{value}': expected 0 (colocated) or the number of nodes"), (
+        p.stderr
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from run_helpers import comparable, metrics, python_path, wait_until
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
+from megatron_dapo.launch import free_port_pair
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -53,21 +55,22 @@ def cluster(tmp_path_factory):
 
 
 def _rendezvous_port() -> int:
-    """A free port below the kernel's ephemeral range for torchrun's rendezvous, which binds it later in the job.
+    """A free port (and the next) below the kernel's ephemeral range for torchrun's rendezvous, which binds it later in the job.
 
     A port the kernel hands out for bind(0) could be given to another process between this check and the bind (the
     parallel tests start torchrun --standalone and servers on port 0 all the time); one below the ephemeral range
     never is, so free now means free then.
     """
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in range(min(20000, low - 1000), low):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free port below the ephemeral range (which starts at {low})")
+    for port in range(min(20000, low - 1000), low, 2):
+        try:
+            for p in (port, port + 1):  # an asynchronous job's train side meets at the next one
+                with socket.socket() as s:
+                    s.bind(("", p))
+        except OSError:
+            continue
+        return port
+    raise AssertionError(f"no two free ports below the ephemeral range (which starts at {low})")
 
 
 HOST = socket.gethostname().split(".")[0]  # the cluster's first node; the second, HOST-2, has no address of its own
@@ -185,9 +188,10 @@ def test_a_job_runs_to_completed(cluster, finished):
     assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
 
 
-def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, nodes: int = 1) -> None:
-    """Start a job, USR1 its batch shell after the first step, and check the requeued attempt against reference."""
-    job_id = train_job(cluster, tiny, run, nodes=nodes)
+def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, *extra: str, **variables: str) -> str:
+    """Start a 2-node job, USR1 its batch shell after the first step, check the requeued attempt against reference;
+    returns the job id."""
+    job_id = train_job(cluster, tiny, run, *extra, nodes=2, **variables)
     wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
@@ -200,13 +204,44 @@ def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, nodes: i
     got = [comparable(m) for m in metrics(run)]
     assert [m["step"] for m in got] == [float(s) for s in range(1, STEPS + 1)]  # each step once
     assert got == [comparable(m) for m in metrics(reference)]
+    return job_id
 
 
-def test_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, finished):
-    """USR1 after the first step of a 2-node job saves and requeues it, and the next attempt resumes step for step
-    (sbatch's one resume end to end: one node would prove nothing more, and tests/test_slurm.py checks the batch
-    script's signal logic alone)."""
-    usr1_requeue(cluster, tiny, tiny["root"] / "jobs" / "two_nodes_usr1", reference=finished[0], nodes=2)
+@pytest.fixture(scope="module")
+def one_process(tiny) -> Path:
+    """The tiny run in one colocated process outside Slurm, at eta = 0: what an asynchronous run at eta = 0 takes,
+    step for step (tests/test_trainer.py); its run directory."""
+    run = tiny["root"] / "one_process"
+    v = tiny["variables"]
+    cmd = [
+        *("-m", "megatron_dapo.train", "--config", v["CONFIG"], f"trainer.run_dir={run}"),
+        *(f"model.hf_path={v['MODEL_PATH']}", f"data.train_files=[{v['DATA_PATH']}]", "eval.every=0"),
+        *tiny["overrides"],
+        "sampler.max_staleness=0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": v["PYTHONPATH"]}
+    proc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_async_on_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, one_process):
+    """ROLLOUT_NODES=1 on a 2-node job: the engine and the rollout controller on the first node, the trainer on the
+    second, two srun steps meeting at the controller (pipeline.mode=async, eta = 0). USR1 to the batch shell after
+    the first step reaches the train step only; it saves, stops the controller, the job is requeued and the next
+    attempt resumes; the run equals the one-process colocated run step for step. (The colocated recipe's signal path
+    is the SIGTERM test's and tests/test_slurm.py's; the 2-node colocated job is the first test's.)"""
+    run = tiny["root"] / "jobs" / "async_usr1"
+    port = str(free_port_pair())
+    job_id = usr1_requeue(
+        cluster, tiny, run, one_process, "sampler.max_staleness=0", ROLLOUT_NODES="1", TRANSPORT_PORT=port
+    )
+    attempt = run / "logs" / job_id / "attempt_0"
+    assert "async: 1 of them rollout" in batch_log(run, job_id)
+    rollout, train = (attempt / "rollout_node0.log").read_text(), (attempt / "train_node0.log").read_text()
+    assert "step 1 |" in train and "step 1 |" not in rollout  # the train side reports
+    assert "SIGUSR1: saved" in train
+    assert all("weight_transport/gb" in m for m in metrics(run))  # split: the weights went over the transport
 
 
 def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):

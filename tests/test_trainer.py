@@ -496,7 +496,7 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     train_side.append(_child_with(proc.pid, "DAPO_ROLE=train"))
     os.kill(_child_with(proc.pid, "DAPO_ROLE=rollout"), signal.SIGKILL)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout process exited with status -9")
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout side exited with status -9")
     assert len(train_side) == 3 and not [pid for pid in train_side if _running(pid)]
 
     proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -521,26 +521,38 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
 
 
 @pytest.mark.slow
-def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
-    """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
-    schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
-    generate reach it as tensors."""
+def test_two_engines_in_two_processes_agree_with_partial_rollout_colocated_and_split(tmp_path, tiny_qwen2):
+    """Two engines in two processes, each streaming its groups, pausing them at the step's end and continuing them;
+    the schedulers' fingerprints are compared after every step (a disagreement raises):
+
+    1. colocated, torchrun DP = 2: responses a rank did not generate reach it as tensors;
+    2. asynchronous at eta = 0 with two rollout processes (pipeline.rollout_gpus=2, a torch.distributed world of their
+       own: the controller and a second engine in lockstep, the weights sent to both) and one train process: the
+       same groups, so every count, reward and length of run 1, step for step; the losses within fp32 rounding (one
+       train rank sums a mini-batch in another order than two), as in the data-parallel test above.
+    """
     overrides = [
         *_informative_at_random(tmp_path, tiny_qwen2),
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
         "sampler.engine_sequences=40",
+        "sampler.max_staleness=0",
+        # batches of 8 decided every engine step: some groups are still running when a batch fills (at eta = 0
+        # only what the batch needs starts; with batches of 4 the first groups all end together)
+        "sampler.train_batch_size=8",
+        "sampler.tick_steps=1",
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
         "reward.num_workers=1",
-        "trainer.total_steps=3",
+        "trainer.total_steps=2",  # groups paused at step 1 continue at step 2
         "trainer.save_every=0",
         "trainer.tensorboard=false",
-        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.progress_bar=false",
     ]
-    _train(overrides, nproc=2, PYTHONPATH=python_path(Path(__file__).parent))  # the verifier module, for every worker
+    path = python_path(Path(__file__).parent)  # the verifier module, for every worker
+    _train([*overrides, f"trainer.run_dir={tmp_path / 'run'}"], nproc=2, PYTHONPATH=path)
     lines = metrics(tmp_path / "run")
-    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
+    assert [m["step"] for m in lines] == [1.0, 2.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
     assert sum(m["sampler/bytes_moved"] for m in lines) > 0
     busy = [m["timing/engine_busy_frac"] for m in lines]
@@ -548,6 +560,20 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
     for m in lines:  # the phases are timed apart and within the step
         phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
         assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
+
+    split = [*overrides, f"trainer.run_dir={tmp_path / 'split'}", "pipeline.mode=async", "pipeline.rollout_gpus=2"]
+    _train([*split, "--nproc", "3"], PYTHONPATH=path)  # the launcher: torchrun for the two rollout processes
+    got = metrics(tmp_path / "split")
+    assert [m["pipeline/weights_version"] for m in got] == [0.0, 1.0]
+    assert all(m["weight_transport/gb"] > 0 for m in got)
+    want, got = [comparable(m) for m in lines], [comparable(m) for m in got]
+    for w, g in zip(want, got, strict=True):
+        assert g.keys() == w.keys()
+        for k, v in w.items():
+            if k.startswith(("actor/", "rollout/")):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+            else:
+                assert g[k] == v, k
 
 
 def _running(pid: int) -> bool:
@@ -668,6 +694,11 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
         (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
         (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),
         ([*split, "pipeline.weights_backend=ib"], {}, "pipeline.weights_backend='ib': expected auto, nccl or gloo"),
+        (  # a rollout side of two processes started as one
+            [*split, "pipeline.rollout_gpus=2"],
+            {"DAPO_ROLE": "rollout", "DAPO_TRANSPORT": "127.0.0.1:1", "DAPO_TRAIN_PROCS": "1"},
+            "pipeline.rollout_gpus=2: expected the rollout side's processes (WORLD_SIZE=1)",
+        ),
         (  # checked before either side builds anything, not when the weights group would hang on it
             [*split, "pipeline.weights_backend=nccl"],
             {"DAPO_ROLE": "train", "DAPO_TRANSPORT": "127.0.0.1:1", "DAPO_TRAIN_PROCS": "1"},

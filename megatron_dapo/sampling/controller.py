@@ -1,11 +1,14 @@
 """Asynchronous DAPO's two sides (pipeline.mode=async; docs/async.md): the rollout controller and the trainer's end.
 
-The rollout side is one process here: the vLLM engine, the reward pool and the dynamic-sampling loader, exactly as
-a colocated rank runs them; the train side is Megatron's world (any TP x PP x DP). They meet in two transport
-groups (rollout/weight_transport.py), both hosted by the controller at DAPO_TRANSPORT=host:port:
+The rollout side is pipeline.rollout_gpus processes (one, or a torch.distributed world of its own started by torchrun),
+each running a vLLM engine, a reward pool and the dynamic-sampling loader exactly as a colocated rank does: in
+lockstep, one engine per rollout.tp of them. Its rank 0 is the controller, the only one that talks to the train side;
+what it decides between two ticks it broadcasts to the others, so every rank hands out, updates and stops at the same
+tick. The train side is Megatron's world (any TP x PP x DP). They meet in two transport groups
+(rollout/weight_transport.py), both hosted by the controller at DAPO_TRANSPORT=host:port:
 
     batches  (gloo, port):        rank 0 the controller, ranks 1.. the train ranks; its TCP store holds the keys below
-    weights  (gloo|nccl, port+1): rank 0 the controller, rank 1 train rank 0, which sends every update
+    weights  (gloo|nccl, port+1): ranks 0..R-1 the rollout ranks, rank R train rank 0, which sends every update
 
 At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader state to resume from, or None};
 controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
@@ -66,13 +69,21 @@ class Transport:
             )
         return Transport(host, int(port), int(procs))
 
-    def connect(self, rank: int, backend: str) -> tuple[Any, Any]:
-        """(batches group, weights group) for this process: rank 0 the controller, 1.. the train ranks (None: a
-        train rank other than 0 is not in the weights group)."""
+    def connect(self, role: str, rank: int, rollout_procs: int, backend: str) -> tuple[Any, Any]:
+        """(batches group, weights group) for rank `rank` of side `role` (rollout or train), None where it is not a
+        member: batches = the controller (rollout rank 0) and every train rank; weights = every rollout rank (each
+        drives an engine) and train rank 0, the sender."""
         from megatron_dapo.rollout.weight_transport import TransportGroup
 
-        batches = TransportGroup.connect(self.host, self.port, rank, 1 + self.train_procs, "gloo")
-        weights = TransportGroup.connect(self.host, self.port + 1, rank, 2, backend) if rank <= 1 else None
+        if role == "rollout":
+            in_batches, in_weights = (0 if rank == 0 else None), rank
+        else:
+            in_batches, in_weights = rank + 1, (rollout_procs if rank == 0 else None)
+        batches = weights = None
+        if in_batches is not None:
+            batches = TransportGroup.connect(self.host, self.port, in_batches, 1 + self.train_procs, "gloo")
+        if in_weights is not None:
+            weights = TransportGroup.connect(self.host, self.port + 1, in_weights, rollout_procs + 1, backend)
         return batches, weights
 
 
@@ -92,7 +103,7 @@ def transport_backend(cfg: Config) -> str:
 
 
 def run_rollout(cfg: Config) -> None:
-    """The rollout process: build the engine, pool and loader, then serve the train side until it says stop."""
+    """A rollout process: build the engine, pool and loader, then serve the train side until it says stop."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -104,32 +115,61 @@ def run_rollout(cfg: Config) -> None:
     from megatron_dapo.rollout.weight_transport import WeightReceiver
     from megatron_dapo.sampling.loader import DynamicSamplingLoader
 
-    if cfg.pipeline.rollout_gpus != rollout_tp(cfg):
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.pipeline.rollout_gpus:
         raise ConfigError(
-            f"config field pipeline.rollout_gpus={cfg.pipeline.rollout_gpus!r}: expected rollout.tp={rollout_tp(cfg)} "
-            "(one engine on the rollout side; several are not built yet)"
+            f"config field pipeline.rollout_gpus={cfg.pipeline.rollout_gpus!r}: expected the rollout side's processes "
+            f"(WORLD_SIZE={world}): one per GPU, started together (torchrun --nproc-per-node on one node)"
         )
     transport = Transport.from_env()
+    tp = rollout_tp(cfg)
     hf = Path(cfg.model.hf_path)
     tokenizer = AutoTokenizer.from_pretrained(hf)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     engine = pool = None
     try:
+        comm = _rollout_world(rank, world)
         # never asleep: the engines here generate while the train side trains
         engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy", enable_sleep_mode=False)
         pool = RewardPool.from_config(cfg.reward)
-        loader = DynamicSamplingLoader(cfg, dataset, {0: engine}, pool, stop_token_ids=[tokenizer.eos_token_id])
-        batches, weights = transport.connect(0, transport_backend(cfg))
-        start = _expect(batches.broadcast_object(None, src=1), "start")
-        if start["state"] is not None:
-            loader.load_state_dict(start["state"])
-        batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
-        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=1)).run()
+        loader = DynamicSamplingLoader(
+            cfg,
+            dataset,
+            {rank // tp: engine},
+            pool,
+            num_engines=world // tp,
+            owned={rank // tp} if rank % tp == 0 else set(),  # an engine's first rank holds its groups
+            comm=comm,
+            stop_token_ids=[tokenizer.eos_token_id],
+        )
+        batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg))
+        start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
+        state = comm.broadcast_object(start["state"] if rank == 0 else None)
+        if state is not None:
+            loader.load_state_dict(state, merged=True)
+        if rank == 0:
+            batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
+        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=world), comm).run()
     finally:
         if pool is not None:
             pool.close()
         if engine is not None:
             engine.close()
+
+
+def _rollout_world(rank: int, world: int) -> Any:
+    """The rollout side's own torch.distributed world (several processes: the loaders' collectives, the engines'
+    groups; objects over gloo, CUDA tensors over NCCL) as the loader's Comm."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.sampling.exchange import Comm
+
+    if world > 1:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    return Comm(rank, world)
 
 
 def _expect(msg: Any, *cmds: str) -> dict:
@@ -153,21 +193,24 @@ class RolloutController:
     """Collects batches ahead of training within eta, hands each out when it is wanted, applies each weight update
     as it arrives; what it decides depends on engine ticks and completed batches (the loader's), never on wall time.
 
-    loader: the DynamicSamplingLoader (its between_ticks is set here). engine: the VLLMEngine it drives.
-    batches: the batches TransportGroup (rank 0). receiver: a WeightReceiver over the weights group.
+    Runs on every rollout rank; rank 0 (the controller proper) reads the store and broadcasts its plan over `comm`,
+    so every rank's loader, engine and receiver take the same steps. loader: the DynamicSamplingLoader (its
+    between_ticks is set here). engine: the VLLMEngine it drives. batches: the batches TransportGroup (rank 0; None
+    elsewhere). receiver: a WeightReceiver over the weights group. comm: the rollout side's Comm.
     """
 
     POLL_S = 0.005
     """How often a controller with nothing to do looks at the store."""
 
-    def __init__(self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any) -> None:
+    def __init__(self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any, comm: Any) -> None:
         self.eta = cfg.sampler.max_staleness
         self.recompute_kv = cfg.pipeline.recompute_kv
-        self.loader, self.engine, self.batches, self.receiver = loader, engine, batches, receiver
-        self.store = batches.store
+        self.loader, self.engine, self.batches, self.receiver, self.comm = loader, engine, batches, receiver, comm
+        self.leader = comm.rank == 0
+        self.store = batches.store if self.leader else None
         self.served = loader.version  # the index of the next batch to hand out
-        self.outbox: list[dict[str, Any]] = []  # collected, not handed out yet, in order
-        self.weights: Optional[int] = None  # the version of the engine's weights (None: dummy weights)
+        self.outbox: list[dict[str, Any]] = []  # collected, not handed out yet, in order (the replies on rank 0)
+        self.weights: Optional[int] = None  # the version of the engines' weights (None: dummy weights)
         self.pauses: list[float] = []  # update pauses since the last batch handed out
         self.e2e: list[float] = []
 
@@ -185,15 +228,26 @@ class RolloutController:
                     self._hand_out({"error": str(e)})
                     self._wait(lambda: not self.outbox)
                     return
-                reply = {"groups": batch.groups, "responses": batch.local, "stats": batch.stats}
-                self._hand_out({**reply, "state": self.loader.state_dict()})
+                # every response of the batch and every rank's share of the state, on the controller
+                responses = self.comm.gather_objects(batch.local)
+                states = self.comm.gather_objects(self.loader.state_dict())
+                reply: dict[str, Any] = {}
+                if self.leader:
+                    reply = {
+                        "groups": batch.groups,
+                        "responses": {k: g for part in responses for k, g in part.items()},
+                        "stats": batch.stats,
+                        "state": self.loader.merge_states(states),
+                    }
+                self._hand_out(reply)
                 self.loader.scheduler.untrained_batches = self.loader.version - self.weights
         except _Stop:
             return
 
     def _hand_out(self, reply: dict[str, Any]) -> None:
         self.outbox.append(reply)
-        self.store.set("dapo/ready", str(self.served + len(self.outbox) - 1))
+        if self.leader:
+            self.store.set("dapo/ready", str(self.served + len(self.outbox) - 1))
         self._service()
 
     def _wait(self, done: Any) -> None:
@@ -202,30 +256,41 @@ class RolloutController:
                 time.sleep(self.POLL_S)
 
     def _service(self) -> bool:
-        """Hand out a wanted batch, then apply an update that has arrived; True if it did either. Raises _Stop once
-        the train side has set stop and nothing is left to do."""
-        did = False
+        """Hand out a wanted batch, then apply an update that has arrived, as rank 0 planned; True if it did either.
+        Raises _Stop once the train side has set stop and nothing is left to do."""
+        plan = self.comm.broadcast_object(self._plan() if self.leader else None)
+        if plan["error"]:
+            raise RuntimeError(plan["error"])
+        if plan["hand_out"]:
+            reply = self.outbox.pop(0)
+            if self.leader:
+                if "stats" in reply:
+                    reply["stats"] = {**reply["stats"], **self._update_stats()}
+                self.batches.broadcast_object(reply, src=0)
+            self.served += 1
+        if plan["update"] is not None:
+            self._apply_update(*plan["update"])
+        if plan["stop"]:
+            raise _Stop
+        return plan["hand_out"] or plan["update"] is not None
+
+    def _plan(self) -> dict[str, Any]:
+        """Rank 0: what the store says to do now."""
+        plan: dict[str, Any] = {"error": None, "hand_out": False, "update": None, "stop": False}
         wanted = _wanted(self.store)
         if wanted is not None and wanted not in (self.served - 1, self.served):
-            raise RuntimeError(f"rollout controller: the train side asks for batch {wanted}, the next is {self.served}")
-        if self.outbox and wanted == self.served:
-            reply = self.outbox.pop(0)
-            if "stats" in reply:
-                reply["stats"] = {**reply["stats"], **self._update_stats()}
-            self.batches.broadcast_object(reply, src=0)
-            self.served += 1
-            did = True
+            plan["error"] = f"rollout controller: the train side asks for batch {wanted}, the next is {self.served}"
+            return plan
+        plan["hand_out"] = bool(self.outbox) and wanted == self.served
         if self.store.check(["dapo/update"]):
             version, sent_at = self.store.get("dapo/update").decode().split()
             if int(version) != self.weights:  # a new one: the sender waits in the broadcast until it is taken
-                self._apply_update(int(version), float(sent_at))
-                did = True
-        if not did and self.store.check(["dapo/stop"]):
-            raise _Stop
-        return did
+                plan["update"] = (int(version), float(sent_at))
+        plan["stop"] = not plan["hand_out"] and plan["update"] is None and self.store.check(["dapo/stop"])
+        return plan
 
     def _apply_update(self, version: int, sent_at: float) -> None:
-        """Update `version`, streamed into the engine between two of its steps; the groups in flight go on."""
+        """Update `version`, streamed into every engine between two of its steps; the groups in flight go on."""
         expected = self.loader.version if self.weights is None else self.weights + 1
         if version != expected or self.receiver.begin() != version:
             raise RuntimeError(
@@ -236,11 +301,11 @@ class RolloutController:
         self.weights = self.loader.weights_version = version
         # admission counts the batches collected and not trained as started (sampler.max_staleness)
         self.loader.scheduler.untrained_batches = max(0, self.loader.version - version)
-        self.pauses.append(pause["pause_s"])
+        self.pauses.append(self.comm.max([pause["pause_s"]])[0])  # the slowest engine's
         self.e2e.append(time.time() - sent_at)
 
     def _update_stats(self) -> dict[str, float]:
-        """The weight updates applied since the last batch handed out: the engine's pause, the end-to-end time
+        """The weight updates applied since the last batch handed out: the engines' pause, the end-to-end time
         (from the train side's key to applied, on the two sides' clocks) and the version now generating."""
         out = {
             "pipeline/updates": float(len(self.pauses)),
@@ -264,13 +329,13 @@ class RemoteRollout:
     POLL_S = 0.005
     """How often a train rank waiting for a batch looks at the store."""
 
-    def __init__(self, transport: Transport, rank: int, backend: str) -> None:
+    def __init__(self, transport: Transport, rank: int, rollout_procs: int, backend: str) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
 
         self.rank = rank  # this process's train rank
-        self.batches, weights = transport.connect(rank + 1, backend)
+        self.batches, weights = transport.connect("train", rank, rollout_procs, backend)
         self.store = self.batches.store
-        self.sender = WeightSender(weights if rank == 0 else None)
+        self.sender = WeightSender(weights)
         self.state: Optional[dict[str, Any]] = None
         self.batch = 0  # the index of the next batch to ask for
 

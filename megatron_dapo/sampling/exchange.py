@@ -11,7 +11,7 @@ replica that trains it. Without torch.distributed (one process) nothing moves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,22 @@ class Comm:
         if self.world > 1:
             dist.all_reduce(t)
         return t.cpu().tolist()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """obj from rank src (ignored elsewhere) on every rank (pickled)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_objects(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
+        """Every rank's obj, in rank order, on rank dst (pickled); None elsewhere."""
+        if self.world == 1:
+            return [obj]
+        out: Optional[list[Any]] = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
 
     def max(self, values: Sequence[float]) -> list[float]:
         """Element-wise max over ranks."""

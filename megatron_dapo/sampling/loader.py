@@ -339,7 +339,19 @@ class DynamicSamplingLoader:
             "partial": {k: [asdict(r) for r in samples] for k, samples in self.partial.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @staticmethod
+    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """One state for the states of several ranks (the same scheduler, each rank's own responses): the shape of
+        one rank's, which every rank loads with load_state_dict(state, merged=True)."""
+        return {
+            "scheduler": states[0]["scheduler"],
+            "finished": {k: g for s in states for k, g in s["finished"].items()},
+            "partial": {k: p for s in states for k, p in s["partial"].items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], merged: bool = False) -> None:
+        """state: this rank's (state_dict()), or with merged=True the ranks' merge_states(), of which this rank
+        keeps the responses of the groups it owns."""
         if "scheduler" not in state:
             raise ValueError(
                 "dynamic-sampling loader state has no 'scheduler' entry: it was saved by an older version of "
@@ -350,6 +362,9 @@ class DynamicSamplingLoader:
         self.partial = {int(k): [Response(**r) for r in samples] for k, samples in state["partial"].items()}
         owned_keys = {g.key for g in self.scheduler.carry if g.engine in self.owned}
         owned_keys |= {p.key for p in self.scheduler.paused if p.engine in self.owned}
+        if merged:
+            self.finished = {k: g for k, g in self.finished.items() if k in owned_keys}
+            self.partial = {k: p for k, p in self.partial.items() if k in owned_keys}
         held = set(self.finished) | set(self.partial)
         if owned_keys != held:
             raise ValueError(
