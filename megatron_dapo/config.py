@@ -627,6 +627,10 @@ class Config:
             return self.algorithm.tis_cap
         return self.rollout.quantization_tis_cap if self.rollout.quantization == "fp8" else None
 
+    def eval_response_length(self) -> int:
+        """The evaluation's generation limit: eval.max_response_length, else rollout.max_response_length."""
+        return self.eval.max_response_length or self.rollout.max_response_length
+
     def validate(self) -> Config:
         """Each section checks its own fields; here only the checks that span sections. Return self."""
         for f in dataclasses.fields(self):
@@ -670,7 +674,6 @@ class Config:
                 "files to evaluate on (eval.every > 0)",
             )
         if self.pipeline.mode == "async":
-            _check(self.eval.every == 0, "eval.every", self.eval.every, "0 with pipeline.mode=async (not built yet)")
             if r.tp is not None:
                 _check(
                     self.pipeline.rollout_gpus % r.tp == 0,

@@ -206,10 +206,13 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
         rank0 = trainer.layout.rank == 0
         sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
         stop.running = True
+        t_start = time.perf_counter()
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
             if trainer.eval_due():
                 metrics.update(trainer.evaluate_from_config())
+            # wall time since this process's first step began, its evaluations included (time to an accuracy)
+            metrics["timing/elapsed"] = time.perf_counter() - t_start
             if rank0:
                 print(progress_line(metrics), flush=True)
             sinks.write(metrics)

@@ -39,8 +39,7 @@ from megatron_dapo.algorithm import (
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample
-from megatron_dapo.reward import RewardBatch
-from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.rollout.held_out import HeldOutEval
 from megatron_dapo.sampling.exchange import Comm, SampleId, deliver
 from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.sampling.records import GroupMeta
@@ -99,35 +98,6 @@ def minibatch_ids(batch: list[GroupMeta], mini_batch_size: int, dp: int, dp_rank
     return slices
 
 
-class ShardedScorer:
-    """Scores each call's responses in contiguous shares across the world's ranks and gathers the results.
-
-    Every rank gets the same RewardBatch, so the loaders on every rank accept the same groups even
-    where a verifier's wall-clock limit would strike on one rank only; and each rank scores
-    1/world of the responses instead of all of them. metrics holds the summed counts.
-    """
-
-    COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")
-
-    def __init__(self, pool: Any, rank: int, world: int) -> None:
-        self.pool, self.rank, self.world = pool, rank, world
-
-    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
-        world, rank = self.world, self.rank
-        if world == 1:
-            return self.pool.score(responses, ground_truths, data_sources)
-        lo, hi = len(responses) * rank // world, len(responses) * (rank + 1) // world
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, self.pool.score(responses[lo:hi], ground_truths[lo:hi], data_sources[lo:hi]))
-        return RewardBatch(
-            scores=[x for p in parts for x in p.scores],
-            acc=[x for p in parts for x in p.acc],
-            preds=[x for p in parts for x in p.preds],
-            status=[x for p in parts for x in p.status],
-            metrics={k: sum(p.metrics.get(k, 0.0) for p in parts) for k in self.COUNTS},
-        )
-
-
 class Trainer:
     """Builds every component from the config and runs rollout steps."""
 
@@ -178,9 +148,16 @@ class Trainer:
         else:
             self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
             self.pool = RewardPool.from_config(cfg.reward)
-            self.scorer = ShardedScorer(
-                self.pool, self.layout.rank, self.layout.world_size
-            )  # evaluation; training rollouts are scored by their engine's rank
+            # evaluation; training rollouts are scored by their engine's rank
+            self.held_out = HeldOutEval(
+                self.engine,
+                self.pool,
+                self.layout.rank,
+                self.layout.world_size,
+                self.rollout_tp,
+                cfg.seed,
+                [self.tokenizer.eos_token_id],
+            )
             self.loader = DynamicSamplingLoader(
                 cfg,
                 self.dataset,
@@ -211,38 +188,6 @@ class Trainer:
 
     # ---------------------------------------------------------------- rollout
 
-    def _generate(
-        self, prompts: list[Prompt], n: int, seed: int, temperature: float, top_p: float, max_tokens: int
-    ) -> list[list[Response]]:
-        """Evaluation: each engine samples its contiguous share of prompts; every rank gets every group, in order.
-
-        The engine seeds sample j of prompt i of its share seed + i*n + j, and a share starting at
-        prompt lo gets seed + lo*n: a function of the global position, so the samples do not depend
-        on the number of engines. Every response goes (pickled) from its engine to every rank: fine
-        for a held-out set; training rollouts take the streaming path, which moves only what is trained.
-        """
-        bounds = [len(prompts) * e // self.num_engines for e in range(self.num_engines + 1)]
-        lo, hi = bounds[self.engine_id], bounds[self.engine_id + 1]
-        mine: list[list[Response]] = []
-        if hi > lo:  # more engines than prompts leaves some idle
-            mine = self.engine.generate(
-                [p.token_ids for p in prompts[lo:hi]],
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_tokens,
-                stop_token_ids=[self.tokenizer.eos_token_id],
-                seed=seed + lo * n,
-            )
-        if self.num_engines == 1:  # every rank is part of the one engine and holds its output
-            return mine
-        groups: list[list[Response]] = []
-        for e in range(self.num_engines):
-            box = [mine]
-            dist.broadcast_object_list(box, src=e * self.rollout_tp)  # from the engine's first rank
-            groups.extend(box[0])
-        return groups
-
     # ---------------------------------------------------------------- one step
 
     def _samples(self, batch) -> tuple[list[list[TrainSample]], float]:
@@ -267,11 +212,12 @@ class Trainer:
         ]
         return slices, self.comm.sum([sent])[0]
 
-    def _sync(self, version: int) -> dict[str, float]:
+    def _sync(self, version: int, evaluate: bool = False) -> dict[str, float]:
         """The policy's weights (version: rollout steps they have trained) into the engines: this process's
-        own, or the rollout process's (async)."""
+        own, or the rollout side's (async; evaluate: it evaluates them before its next batch, and
+        evaluate_from_config() waits for the result)."""
         if self.remote is not None:
-            return self.remote.send_weights(self.bridge, version)
+            return self.remote.send_weights(self.bridge, version, evaluate)
         return self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
@@ -317,7 +263,7 @@ class Trainer:
                     f"{self.checkpoints.root}"
                 )
         with timer.phase("sync"):
-            sync = self._sync(self.step + 1)  # the weights that will train batch step + 1
+            sync = self._sync(self.step + 1, self.eval_due(self.step + 1))  # the weights that train batch step + 1
             if self.engine is not None:
                 self.engine.wake()  # and its KV cache for the next rollout
         self.step += 1
@@ -350,29 +296,25 @@ class Trainer:
         top_p: float = 1.0,
         max_tokens: int | None = None,
     ) -> dict[str, float]:
-        """avg@k and pass@k on prompts with the engines' current weights, scored by the reward pool.
-
-        avg@k: mean correctness over every (problem, sample); pass@k: fraction of problems with at
-        least one correct sample. Defaults: one greedy sample (then both are the greedy accuracy).
-        Collective: every rank calls it and gets the same numbers.
-        """
-        if not prompts:
-            raise ValueError("evaluate: no prompts (is data.val_files empty?)")
-        # seed: the same samples for the same weights, so curves compare step to step
-        max_tokens = max_tokens or self.cfg.rollout.max_response_length
-        outputs = self._generate(prompts, k, self.cfg.seed, temperature, top_p, max_tokens)
-        scored = score_samples(self.scorer, prompts, outputs)
-        correct = [scored.acc[i * k : (i + 1) * k] for i in range(len(prompts))]
-        return {f"eval/{name}": value for name, value in accuracy_at_k(correct).items()}
+        """avg@k and pass@k on prompts with the engines' current weights, scored by the reward pool (HeldOutEval).
+        Defaults: one greedy sample, responses up to rollout.max_response_length. Collective over the world."""
+        if self.remote is not None:
+            raise ConfigError("pipeline.mode=async: the rollout side evaluates data.val_files (eval.every) only")
+        return self.held_out.evaluate(
+            prompts, k, temperature, top_p, max_tokens or self.cfg.rollout.max_response_length
+        )
 
     def evaluate_from_config(self) -> dict[str, float]:
-        """evaluate() on data.val_files with the eval section's k, temperature, top_p and length."""
+        """evaluate() on data.val_files with the eval section's k, temperature, top_p and length; in async, the
+        rollout side's evaluation of the weights just sent (RemoteRollout.evaluation)."""
         from megatron_dapo.data.datasets import PromptDataset
 
+        if self.remote is not None:
+            return self.remote.evaluation()
         if self._val_prompts is None:
             self._val_prompts = list(PromptDataset.from_config(self.cfg.data, self.tokenizer, split="val"))
         e = self.cfg.eval
-        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, e.max_response_length)
+        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, self.cfg.eval_response_length())
 
     # ---------------------------------------------------------------- checkpoints and cadence
 
@@ -387,10 +329,12 @@ class Trainer:
     def save(self) -> Path:
         return self.checkpoints.save(self.policy, self.step, self.state_dict())
 
-    def eval_due(self) -> bool:
-        """Every eval.every steps and at the last step; never when eval.every is 0."""
-        every, last = self.cfg.eval.every, self.step == self.cfg.trainer.total_steps
-        return bool(every) and (self.step % every == 0 or last)
+    def eval_due(self, step: int | None = None) -> bool:
+        """After step `step` (default: the last one trained)? Every eval.every steps and at the last step; never
+        when eval.every is 0."""
+        step = self.step if step is None else step
+        every, last = self.cfg.eval.every, step == self.cfg.trainer.total_steps
+        return bool(every) and (step % every == 0 or last)
 
     def save_due(self) -> bool:
         """Every trainer.save_every steps and always at the last step (save_every 0: only there)."""

@@ -234,3 +234,47 @@ def test_bench_throughput_without_vllm_skips_rollout_and_step(tmp_path):
     for key in FIELDS["train"] + FIELDS["sync"]:
         assert got[key] > 0, key
     assert not any(key in got for key in FIELDS["rollout"] + FIELDS["step"])
+
+
+# ---------------------------------------------------------------- time_to_accuracy
+
+
+def test_time_to_accuracy_reads_the_first_evaluation_at_the_target(tmp_path, capsys, seed):
+    """Fresh random runs: the row's step, seconds, token ratio up to that step and staleness, by hand; a run that
+    never reaches the target says so; a run without timing/elapsed, or no metrics file, is one clear error."""
+    import random
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import time_to_accuracy as tta
+    finally:
+        sys.path.remove(str(TOOLS))
+    rng = random.Random(seed)
+    lines, elapsed = [], 0.0
+    for step in range(1, 13):
+        elapsed += rng.uniform(0.5, 2.0)
+        m = {"step": float(step), "timing/elapsed": elapsed, "timing/step": rng.uniform(0.4, 0.6)}
+        m.update({"tokens/generated": float(rng.randrange(100, 200)), "tokens/trained": float(rng.randrange(50, 100))})
+        m.update({"staleness/max": float(rng.randrange(3)), "staleness/p99": 0.0})
+        if step % 3 == 0:
+            m["eval/avg_at_k"] = [0.3, 0.72, 0.69, 0.9][step // 3 - 1]  # first at >= 0.7: step 6
+        lines.append(m)
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (rows,) = tta.main([f"a={run}", "--target", "0.7"])
+    assert (rows["hit_step"], rows["hit_seconds"]) == (6, lines[5]["timing/elapsed"])
+    gen, trained = (sum(m[f"tokens/{k}"] for m in lines[:6]) for k in ("generated", "trained"))
+    assert rows["generated_per_trained"] == pytest.approx(gen / trained, rel=1e-12)
+    assert rows["staleness_max"] == max(m["staleness/max"] for m in lines)
+    assert f"| a | 12 | 6 | {lines[5]['timing/elapsed']:.0f} |" in capsys.readouterr().out
+    (rows,) = tta.main([f"a={run}", "--target", "0.95"])
+    assert rows["hit_step"] is None
+    assert "| not reached | - |" in capsys.readouterr().out
+
+    del lines[4]["timing/elapsed"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    for argv, message in [([f"a={run}"], "steps [5] have no timing/elapsed"), ([str(run)], "expected LABEL=RUN_DIR")]:
+        with pytest.raises(SystemExit) as exit_:
+            tta.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

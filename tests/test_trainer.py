@@ -377,13 +377,18 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
 
     Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random);
     partial rollout pauses groups across the weight sync and carries the informative groups found beyond a batch;
-    prompt memory (12 prompts: each comes up every other step) records every group and skips prompts.
+    prompt memory (12 prompts: each comes up every other step) records every group and skips prompts; held-out
+    evaluation every 2 steps (in the asynchronous runs below, the rollout side's).
     """
     root = tmp_path_factory.mktemp("uninterrupted")
     rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
+    val = write_jsonl(root / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
     common = [
         *_informative_at_random(root, tiny_qwen2),
         f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]",
+        f"data.val_files=[{val}]",  # evaluated after steps 2, 4 and 5, scored by the quarter-right verifier
+        "eval.every=2",
+        "eval.k=3",
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
         "optim.lr=1e-3",
@@ -417,8 +422,8 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
 
     1. colocated: SIGKILL once step 2 is saved (no handler, no save);
     2. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0: resumes from step 2's
-       checkpoint and finishes; the metrics of both, step for step, and the prompt memory saved at the end are the
-       uninterrupted colocated run's. (The rollout process's death and SIGTERM to an asynchronous run are the next
+       checkpoint and finishes; the metrics of both, step for step (the rollout side's held-out evaluations
+       included), and the prompt memory saved at the end are the uninterrupted colocated run's. (The rollout process's death and SIGTERM to an asynchronous run are the next
        test's, at eta = 1.)
     """
     import signal
@@ -429,6 +434,8 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert sum(m["sampler/carried_out"] for m in lines[:-1]) > 0  # and finished groups carried to the next step
     assert sum(m.get("staleness/tokens_1", 0) for m in lines) > 0  # continued groups were trained a version later
     assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
+    evals = [m.get("eval/avg_at_k") for m in lines]  # the split's evaluations (steps 4, 5) must be these
+    assert [e is not None for e in evals] == [False, True, False, True, True] and 0 < sum(evals[3:]) < 2
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
     proc = subprocess.Popen(
@@ -510,6 +517,9 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     assert 3 <= stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
     assert [m["step"] for m in lines] == [float(k) for k in range(1, stopped_at + 1)]
     assert [m["pipeline/weights_version"] for m in lines] == [float(k) for k in range(stopped_at)]
+    # evaluated after step 2 (and 4) by the rollout side, at the batch boundary after those weights landed
+    assert [("eval/avg_at_k" in m) for m in lines] == [k in (2, 4) for k in range(1, stopped_at + 1)]
+    assert all(m["eval/k"] == 3 and m["eval/problems"] == 5 for m in lines if "eval/k" in m)
     assert all(m["pipeline/updates"] >= 1 and m["pipeline/update_pause_s"] > 0 for m in lines)
     assert max(m["staleness/max"] for m in lines) >= 1  # sampled by the weights before the ones training it
     # a step's tokens are counted by the step that generated them, whatever weights did: each lands in one bin
@@ -521,36 +531,29 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
 
 
 @pytest.mark.slow
-def test_two_engines_in_two_processes_agree_with_partial_rollout_colocated_and_split(tmp_path, tiny_qwen2):
-    """Two engines in two processes, each streaming its groups, pausing them at the step's end and continuing them;
-    the schedulers' fingerprints are compared after every step (a disagreement raises):
-
-    1. colocated, torchrun DP = 2: responses a rank did not generate reach it as tensors;
-    2. asynchronous at eta = 0 with two rollout processes (pipeline.rollout_gpus=2, a torch.distributed world of their
-       own: the controller and a second engine in lockstep, the weights sent to both) and one train process: the
-       same groups, so every count, reward and length of run 1, step for step; the losses within fp32 rounding (one
-       train rank sums a mini-batch in another order than two), as in the data-parallel test above.
-    """
+def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
+    """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
+    schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
+    generate reach it as tensors."""
     overrides = [
         *_informative_at_random(tmp_path, tiny_qwen2),
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
         "sampler.engine_sequences=40",
+        # batches of 8 decided every engine step: some groups are still running when step 1's batch fills (at
+        # eta = 0 only what the batch needs starts; with batches of 4 the first groups all end together)
         "sampler.max_staleness=0",
-        # batches of 8 decided every engine step: some groups are still running when a batch fills (at eta = 0
-        # only what the batch needs starts; with batches of 4 the first groups all end together)
         "sampler.train_batch_size=8",
         "sampler.tick_steps=1",
         "optim.mini_batch_size=8",
         "optim.warmup_steps=0",
         "reward.num_workers=1",
-        "trainer.total_steps=2",  # groups paused at step 1 continue at step 2
+        "trainer.total_steps=2",
         "trainer.save_every=0",
         "trainer.tensorboard=false",
-        "trainer.progress_bar=false",
+        f"trainer.run_dir={tmp_path / 'run'}",
     ]
-    path = python_path(Path(__file__).parent)  # the verifier module, for every worker
-    _train([*overrides, f"trainer.run_dir={tmp_path / 'run'}"], nproc=2, PYTHONPATH=path)
+    _train(overrides, nproc=2, PYTHONPATH=python_path(Path(__file__).parent))  # the verifier module, for every worker
     lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1.0, 2.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
@@ -561,12 +564,24 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout_colocated_and_s
         phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
         assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
 
-    split = [*overrides, f"trainer.run_dir={tmp_path / 'split'}", "pipeline.mode=async", "pipeline.rollout_gpus=2"]
-    _train([*split, "--nproc", "3"], PYTHONPATH=path)  # the launcher: torchrun for the two rollout processes
-    got = metrics(tmp_path / "split")
+
+@pytest.mark.slow
+def test_two_rollout_processes_take_the_one_process_run_s_steps_and_evaluate(two_steps, tmp_path):
+    """Asynchronous at eta = 0 with two rollout processes (pipeline.rollout_gpus=2: a torch.distributed world of
+    their own, two engines in lockstep, the controller on rank 0 handing out both engines' responses, every engine
+    taking each weight update) and one train process: samples do not depend on the number of engines (the data
+    parallel test above), so this run is two_steps' one-process run step for step, the rollout side's held-out
+    evaluation after step 2 (both engines sampling half the problems) included; the losses and the engines'
+    logprobs within fp32 rounding (two engines batch their sequences differently)."""
+    overrides, ref_run, _ = two_steps
+    run = tmp_path / "split"
+    split = ["pipeline.mode=async", "pipeline.rollout_gpus=2", "sampler.max_staleness=0", "--nproc", "3"]
+    _train([*overrides, f"trainer.run_dir={run}", *split])  # the launcher: torchrun for the two rollout processes
+    got = metrics(run)
     assert [m["pipeline/weights_version"] for m in got] == [0.0, 1.0]
     assert all(m["weight_transport/gb"] > 0 for m in got)
-    want, got = [comparable(m) for m in lines], [comparable(m) for m in got]
+    want, got = [comparable(m) for m in metrics(ref_run)], [comparable(m) for m in got]
+    assert got[1]["eval/problems"] == 5 and got[1]["eval/k"] == 3
     for w, g in zip(want, got, strict=True):
         assert g.keys() == w.keys()
         for k, v in w.items():
@@ -689,7 +704,6 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
         (["seed=1"], {}, "error: config field model.hf_path is empty"),  # no model given
         (["optim.lr=fast"], {}, "optim.lr"),
         ([f"model.hf_path={tmp_path / 'missing'}"], {}, str(tmp_path / "missing")),
-        ([*split, "eval.every=5", "data.val_files=[v.jsonl]"], {}, "eval.every=5: expected 0 with pipeline.mode=async"),
         (["--nproc", "1", *split], {}, "--nproc 1: expected more than pipeline.rollout_gpus=1"),
         (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
         (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),

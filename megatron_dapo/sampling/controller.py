@@ -14,10 +14,13 @@ At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader s
 controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
 waits for the other except where it must, each saying in the store what it is ready for:
 
-    dapo/update = "V T": train rank 0 is sending update V (V = steps trained; T its clock) over the weights group
+    dapo/update = "V T E": train rank 0 is sending update V (V = steps trained; T its clock; E = 1: evaluate it)
+                         over the weights group
     dapo/want = K:       train rank 0 asks for batch K; every train rank waits until dapo/ready >= K, then receives
                          it (the groups, every response, stats, the loader's state after it; or {"error": ...})
     dapo/ready = K:      the controller has collected batches up to K, and broadcasts K once it is wanted
+    dapo/evaluated = V:  the controller has evaluated update V (at the batch boundary after it: no group in
+                         flight) and broadcasts the result; the train ranks wait for it before asking for more
     dapo/stop:           train rank 0, at the end
 
 A key holding what the other side did not expect (an update or a batch out of order) is an error, never a wait.
@@ -110,6 +113,7 @@ def run_rollout(cfg: Config) -> None:
 
     from megatron_dapo.data.datasets import PromptDataset
     from megatron_dapo.reward import RewardPool
+    from megatron_dapo.rollout.held_out import HeldOutEval
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.vllm_env import rollout_tp
     from megatron_dapo.rollout.weight_transport import WeightReceiver
@@ -142,6 +146,10 @@ def run_rollout(cfg: Config) -> None:
             comm=comm,
             stop_token_ids=[tokenizer.eos_token_id],
         )
+        held_out = None
+        if cfg.eval.every:
+            val = list(PromptDataset.from_config(cfg.data, tokenizer, split="val"))
+            held_out = (HeldOutEval(engine, pool, rank, world, tp, cfg.seed, [tokenizer.eos_token_id]), val)
         batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg))
         start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
         state = comm.broadcast_object(start["state"] if rank == 0 else None)
@@ -149,7 +157,7 @@ def run_rollout(cfg: Config) -> None:
             loader.load_state_dict(state, merged=True)
         if rank == 0:
             batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
-        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=world), comm).run()
+        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=world), comm, held_out).run()
     finally:
         if pool is not None:
             pool.close()
@@ -196,14 +204,24 @@ class RolloutController:
     Runs on every rollout rank; rank 0 (the controller proper) reads the store and broadcasts its plan over `comm`,
     so every rank's loader, engine and receiver take the same steps. loader: the DynamicSamplingLoader (its
     between_ticks is set here). engine: the VLLMEngine it drives. batches: the batches TransportGroup (rank 0; None
-    elsewhere). receiver: a WeightReceiver over the weights group. comm: the rollout side's Comm.
+    elsewhere). receiver: a WeightReceiver over the weights group. comm: the rollout side's Comm. held_out:
+    (HeldOutEval, the validation prompts) where eval.every > 0.
+
+    An update the train side marks for evaluation is evaluated at the next batch boundary (where no group is in
+    flight: the groups still generating at a batch's end are paused), before anything else is collected; the train
+    side waits for the result (RemoteRollout.evaluation), so no later update can land first.
     """
 
     POLL_S = 0.005
     """How often a controller with nothing to do looks at the store."""
 
-    def __init__(self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any, comm: Any) -> None:
+    def __init__(
+        self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any, comm: Any, held_out: Any = None
+    ) -> None:
         self.eta = cfg.sampler.max_staleness
+        self.eval_cfg, self.held_out = cfg.eval, held_out  # (HeldOutEval, prompts), or None: eval.every = 0
+        self.eval_tokens = cfg.eval_response_length()
+        self.eval_pending: Optional[int] = None  # the version of an update to evaluate at the next batch boundary
         self.recompute_kv = cfg.pipeline.recompute_kv
         self.loader, self.engine, self.batches, self.receiver, self.comm = loader, engine, batches, receiver, comm
         self.leader = comm.rank == 0
@@ -248,16 +266,18 @@ class RolloutController:
         self.outbox.append(reply)
         if self.leader:
             self.store.set("dapo/ready", str(self.served + len(self.outbox) - 1))
-        self._service()
+        self._service(boundary=True)
 
     def _wait(self, done: Any) -> None:
+        """At a batch boundary: serve the train side until done()."""
         while not done():
-            if not self._service():
+            if not self._service(boundary=True):
                 time.sleep(self.POLL_S)
 
-    def _service(self) -> bool:
-        """Hand out a wanted batch, then apply an update that has arrived, as rank 0 planned; True if it did either.
-        Raises _Stop once the train side has set stop and nothing is left to do."""
+    def _service(self, boundary: bool = False) -> bool:
+        """Hand out a wanted batch, then apply an update that has arrived, as rank 0 planned, then (at a batch
+        boundary) evaluate an update marked for it; True if it did any. Raises _Stop once the train side has set
+        stop and nothing is left to do."""
         plan = self.comm.broadcast_object(self._plan() if self.leader else None)
         if plan["error"]:
             raise RuntimeError(plan["error"])
@@ -270,9 +290,12 @@ class RolloutController:
             self.served += 1
         if plan["update"] is not None:
             self._apply_update(*plan["update"])
-        if plan["stop"]:
+        evaluated = boundary and self.eval_pending is not None
+        if evaluated:
+            self._evaluate()
+        if plan["stop"] and not evaluated:
             raise _Stop
-        return plan["hand_out"] or plan["update"] is not None
+        return plan["hand_out"] or plan["update"] is not None or evaluated
 
     def _plan(self) -> dict[str, Any]:
         """Rank 0: what the store says to do now."""
@@ -283,14 +306,15 @@ class RolloutController:
             return plan
         plan["hand_out"] = bool(self.outbox) and wanted == self.served
         if self.store.check(["dapo/update"]):
-            version, sent_at = self.store.get("dapo/update").decode().split()
+            version, sent_at, evaluate = self.store.get("dapo/update").decode().split()
             if int(version) != self.weights:  # a new one: the sender waits in the broadcast until it is taken
-                plan["update"] = (int(version), float(sent_at))
+                plan["update"] = (int(version), float(sent_at), evaluate == "1")
         plan["stop"] = not plan["hand_out"] and plan["update"] is None and self.store.check(["dapo/stop"])
         return plan
 
-    def _apply_update(self, version: int, sent_at: float) -> None:
-        """Update `version`, streamed into every engine between two of its steps; the groups in flight go on."""
+    def _apply_update(self, version: int, sent_at: float, evaluate: bool) -> None:
+        """Update `version`, streamed into every engine between two of its steps; the groups in flight go on.
+        evaluate: the train side waits for its evaluation."""
         expected = self.loader.version if self.weights is None else self.weights + 1
         if version != expected or self.receiver.begin() != version:
             raise RuntimeError(
@@ -303,6 +327,20 @@ class RolloutController:
         self.loader.scheduler.untrained_batches = max(0, self.loader.version - version)
         self.pauses.append(self.comm.max([pause["pause_s"]])[0])  # the slowest engine's
         self.e2e.append(time.time() - sent_at)
+        if evaluate:
+            if self.held_out is None:
+                raise RuntimeError(f"rollout controller: update {version} asks for evaluation, but eval.every is 0")
+            self.eval_pending = version
+
+    def _evaluate(self) -> None:
+        """The held-out evaluation of the engines' weights (every rank), handed to the train side (rank 0)."""
+        evaluator, prompts = self.held_out
+        e = self.eval_cfg
+        metrics = evaluator.evaluate(prompts, e.k, e.temperature, e.top_p, self.eval_tokens)
+        if self.leader:
+            self.store.set("dapo/evaluated", str(self.eval_pending))
+            self.batches.broadcast_object({"eval": metrics, "version": self.eval_pending}, src=0)
+        self.eval_pending = None
 
     def _update_stats(self) -> dict[str, float]:
         """The weight updates applied since the last batch handed out: the engines' pause, the end-to-end time
@@ -338,6 +376,7 @@ class RemoteRollout:
         self.sender = WeightSender(weights)
         self.state: Optional[dict[str, Any]] = None
         self.batch = 0  # the index of the next batch to ask for
+        self.evaluating: Optional[int] = None  # the version sent for evaluation, its result not received yet
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.state
@@ -362,18 +401,34 @@ class RemoteRollout:
         self.batch += 1
         if "error" in reply:
             raise DynamicSamplingError(reply["error"])
+        if "groups" not in reply:  # the two sides disagree on what comes next: fail now, never wait
+            raise RuntimeError(f"rollout controller: expected batch {self.batch - 1}, got {sorted(reply)}")
         self.state = reply["state"]
         stats = {**reply["stats"], "timing/batch_wait": time.perf_counter() - t0}
         return StepBatch(groups=reply["groups"], local=reply["responses"], stats=stats)
 
-    def send_weights(self, bridge: Any, version: int) -> dict[str, float]:
+    def send_weights(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
         """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
-        (the controller joins the broadcast between two of its ticks)."""
+        (the controller joins the broadcast between two of its ticks). evaluate: the rollout side evaluates
+        these weights; evaluation() waits for the result."""
         if self.rank == 0:
-            self.store.set("dapo/update", f"{version} {time.time()!r}")
+            self.store.set("dapo/update", f"{version} {time.time()!r} {int(evaluate)}")
+        self.evaluating = version if evaluate else None
         self.sender.begin(version)
         metrics = bridge.sync(self.sender)
         return {**metrics, **self.sender.stats}
+
+    def evaluation(self) -> dict[str, float]:
+        """The rollout side's held-out evaluation of the weights last sent (send_weights(..., evaluate=True))."""
+        if self.evaluating is None:
+            raise RuntimeError("evaluation() without weights sent for evaluation")
+        while not self.store.check(["dapo/evaluated"]) or int(self.store.get("dapo/evaluated")) < self.evaluating:
+            time.sleep(self.POLL_S)  # the controller evaluates at its next batch boundary
+        reply = self.batches.broadcast_object(None, src=0)
+        if reply.get("version") != self.evaluating:
+            raise RuntimeError(f"rollout controller: expected the evaluation of {self.evaluating}, got {reply!r}")
+        self.evaluating = None
+        return reply["eval"]
 
     def close(self) -> None:
         """Tell the controller to stop (it looks between ticks, and while it waits)."""
