@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -163,29 +162,42 @@ def train_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int = 1,
     )
 
 
+ASYNC = {"ROLLOUT_NODES": "1"}
+"""An asynchronous job on two nodes: the engine and the rollout controller on the first, the trainer on the second."""
+
+
 @pytest.fixture(scope="module")
 def finished(cluster, tiny) -> tuple[Path, str]:
-    """An uninterrupted job on two nodes (two slurmd on this machine): (run directory, job id)."""
+    """An uninterrupted asynchronous job on two nodes (two slurmd on this machine) at eta = 0: (run directory, job
+    id). (Async at eta = 0 takes a colocated run's steps: tests/test_trainer.py.)"""
     run = tiny["root"] / "jobs" / "full"
-    job_id = train_job(cluster, tiny, run, nodes=2)
+    job_id = train_job(cluster, tiny, run, "sampler.max_staleness=0", nodes=2, **ASYNC, TRANSPORT_PORT=_transport())
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert info["JobState"] == "COMPLETED", (info, (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()[-3000:])
     return run, job_id
 
 
+def _transport() -> str:
+    """The rollout controller's two ports, free now (both slurmd run on this machine)."""
+    return str(free_port_pair())
+
+
 def test_a_job_runs_to_completed(cluster, finished):
-    """A 2-node job, one torchrun per node, data parallel 2 over gloo, runs to its end."""
+    """ROLLOUT_NODES=1 of a 2-node job: two srun steps, one torchrun each, meeting at the rollout controller
+    (pipeline.mode=async), run to the end; the train side reports, the weights went over the transport."""
     run, job_id = finished
     info = job(cluster, job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0")
     assert info["NodeList"] == f"{HOST},{HOST}-2", info
     assert (run / "FINISHED").read_text().strip() == str(STEPS)
     assert [m["step"] for m in metrics(run)] == [float(s) for s in range(1, STEPS + 1)]
-    assert f"run finished at step {STEPS}" in batch_log(run, job_id)
+    log = batch_log(run, job_id)
+    assert f"run finished at step {STEPS}" in log and "async: 1 of them rollout" in log
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
-    logs = [(run / "logs" / job_id / "attempt_0" / f"node{n}.log").read_text() for n in (0, 1)]
-    assert all("[default0]:" in log for log in logs)  # one agent per node, each with its one worker
-    assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
+    attempt = run / "logs" / job_id / "attempt_0"
+    rollout, train = (attempt / "rollout_node0.log").read_text(), (attempt / "train_node0.log").read_text()
+    assert "[default0]:" in rollout and "step 1 |" in train and "step 1 |" not in rollout  # the train side reports
+    assert all(m["weight_transport/gb"] > 0 for m in metrics(run))
 
 
 def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, *extra: str, **variables: str) -> str:
@@ -207,41 +219,15 @@ def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, *extra: 
     return job_id
 
 
-@pytest.fixture(scope="module")
-def one_process(tiny) -> Path:
-    """The tiny run in one colocated process outside Slurm, at eta = 0: what an asynchronous run at eta = 0 takes,
-    step for step (tests/test_trainer.py); its run directory."""
-    run = tiny["root"] / "one_process"
-    v = tiny["variables"]
-    cmd = [
-        *("-m", "megatron_dapo.train", "--config", v["CONFIG"], f"trainer.run_dir={run}"),
-        *(f"model.hf_path={v['MODEL_PATH']}", f"data.train_files=[{v['DATA_PATH']}]", "eval.every=0"),
-        *tiny["overrides"],
-        "sampler.max_staleness=0",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": v["PYTHONPATH"]}
-    proc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
-
-
-def test_async_on_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, one_process):
-    """ROLLOUT_NODES=1 on a 2-node job: the engine and the rollout controller on the first node, the trainer on the
-    second, two srun steps meeting at the controller (pipeline.mode=async, eta = 0). USR1 to the batch shell after
-    the first step reaches the train step only; it saves, stops the controller, the job is requeued and the next
-    attempt resumes; the run equals the one-process colocated run step for step. (The colocated recipe's signal path
-    is the SIGTERM test's and tests/test_slurm.py's; the 2-node colocated job is the first test's.)"""
-    run = tiny["root"] / "jobs" / "async_usr1"
-    port = str(free_port_pair())
+def test_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, finished):
+    """USR1 to the batch shell of the 2-node asynchronous job after its first step reaches the train step only: it
+    saves, stops the controller, the job is requeued, and the next attempt resumes step for step (sbatch's one
+    resume end to end; tests/test_slurm.py checks the batch script's signal logic alone)."""
+    run = tiny["root"] / "jobs" / "two_nodes_usr1"
     job_id = usr1_requeue(
-        cluster, tiny, run, one_process, "sampler.max_staleness=0", ROLLOUT_NODES="1", TRANSPORT_PORT=port
+        cluster, tiny, run, finished[0], "sampler.max_staleness=0", **ASYNC, TRANSPORT_PORT=_transport()
     )
-    attempt = run / "logs" / job_id / "attempt_0"
-    assert "async: 1 of them rollout" in batch_log(run, job_id)
-    rollout, train = (attempt / "rollout_node0.log").read_text(), (attempt / "train_node0.log").read_text()
-    assert "step 1 |" in train and "step 1 |" not in rollout  # the train side reports
-    assert "SIGUSR1: saved" in train
-    assert all("weight_transport/gb" in m for m in metrics(run))  # split: the weights went over the transport
+    assert "SIGUSR1: saved" in (run / "logs" / job_id / "attempt_0" / "train_node0.log").read_text()
 
 
 def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):
@@ -256,8 +242,10 @@ def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):
 
 
 def test_scancel_sigterm_saves_within_the_grace_and_is_not_requeued(cluster, tiny):
+    """The colocated recipe on two nodes (one torchrun per node, data parallel 2 over gloo, rank 0 printing the
+    progress) until `scancel`: SIGTERM to every process, the ranks save within KillWait, no requeue."""
     run = tiny["root"] / "jobs" / "sigterm"
-    job_id = train_job(cluster, tiny, run)
+    job_id = train_job(cluster, tiny, run, nodes=2)
     wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
     subprocess.run(["scancel", job_id], env=cluster, check=True, timeout=30)  # SIGTERM to every process
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
@@ -265,6 +253,9 @@ def test_scancel_sigterm_saves_within_the_grace_and_is_not_requeued(cluster, tin
     wait_until(lambda: "terminated by SIGTERM" in batch_log(run, job_id), timeout=60, what="the batch log line")
     latest = (run / "checkpoints" / "latest").read_text().strip()  # a tiny step fits KillWait's 30 s
     assert latest == f"step_{len(metrics(run)):08d}", (latest, len(metrics(run)))
+    logs = [(run / "logs" / job_id / "attempt_0" / f"node{n}.log").read_text() for n in (0, 1)]
+    assert all("[default0]:" in log for log in logs)  # one agent per node, each with its one worker
+    assert sum("step 1 |" in log for log in logs) == 1  # rank 0 prints the progress lines
 
 
 def test_a_failing_job_exits_nonzero_and_is_never_requeued(cluster, tiny):
