@@ -1,6 +1,6 @@
-"""The sbatch scripts under a real Slurm: a private single-node cluster (tests/slurm/cluster.sh), jobs submitted
-with `sbatch` as a user types them (only the node count, and for the tiny CPU run the processes per node, differ
-from the 32B recipe), signals sent with `scancel`, states read with `scontrol`.
+"""The sbatch scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/cluster.sh), jobs
+submitted with `sbatch` as a user types them (only the node count, and for the tiny CPU run the processes per node,
+differ from the 32B recipe), signals sent with `scancel`, states read with `scontrol`.
 
 Skipped when Slurm is absent or we are not root; `make test-slurm` installs the Debian packages and runs this file.
 """
