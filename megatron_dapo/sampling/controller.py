@@ -377,6 +377,7 @@ class RemoteRollout:
         self.state: Optional[dict[str, Any]] = None
         self.batch = 0  # the index of the next batch to ask for
         self.evaluating: Optional[int] = None  # the version sent for evaluation, its result not received yet
+        self.evaluated = -1  # the last version whose evaluation this rank received
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.state
@@ -396,6 +397,7 @@ class RemoteRollout:
         if self.rank == 0:
             self.store.set("dapo/want", str(self.batch))
         while not self.store.check(["dapo/ready"]) or int(self.store.get("dapo/ready")) < self.batch:
+            self._no_unasked_evaluation()
             time.sleep(self.POLL_S)  # no collective timeout while the batch is collected
         reply = self.batches.broadcast_object(None, src=0)
         self.batch += 1
@@ -418,6 +420,15 @@ class RemoteRollout:
         metrics = bridge.sync(self.sender)
         return {**metrics, **self.sender.stats}
 
+    def _no_unasked_evaluation(self) -> None:
+        """An evaluation the train side did not mark waits in the controller's broadcast for a receiver that never
+        comes: fail at once instead."""
+        if self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) > self.evaluated:
+            raise RuntimeError(
+                f"rollout controller: evaluated update {int(self.store.get('dapo/evaluated'))}, which the train side "
+                f"did not mark for evaluation (last evaluated: {self.evaluated})"
+            )
+
     def evaluation(self) -> dict[str, float]:
         """The rollout side's held-out evaluation of the weights last sent (send_weights(..., evaluate=True))."""
         if self.evaluating is None:
@@ -427,7 +438,7 @@ class RemoteRollout:
         reply = self.batches.broadcast_object(None, src=0)
         if reply.get("version") != self.evaluating:
             raise RuntimeError(f"rollout controller: expected the evaluation of {self.evaluating}, got {reply!r}")
-        self.evaluating = None
+        self.evaluated, self.evaluating = self.evaluating, None
         return reply["eval"]
 
     def close(self) -> None:
