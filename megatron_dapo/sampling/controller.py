@@ -247,15 +247,14 @@ class RolloutController:
                     self._wait(lambda: not self.outbox)
                     return
                 # every response of the batch and every rank's share of the state, on the controller
-                responses = self.comm.gather_objects(batch.local)
-                states = self.comm.gather_objects(self.loader.state_dict())
+                parts = self.comm.gather_objects((batch.local, self.loader.state_dict()))
                 reply: dict[str, Any] = {}
                 if self.leader:
                     reply = {
                         "groups": batch.groups,
-                        "responses": {k: g for part in responses for k, g in part.items()},
+                        "responses": {k: g for local, _ in parts for k, g in local.items()},
                         "stats": batch.stats,
-                        "state": self.loader.merge_states(states),
+                        "state": self.loader.merge_states([state for _, state in parts]),
                     }
                 self._hand_out(reply)
                 self.loader.scheduler.untrained_batches = self.loader.version - self.weights
