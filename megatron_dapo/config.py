@@ -272,6 +272,13 @@ class SamplerConfig:
     """stream: engine steps between the sampler's decisions. Finished groups are scored while the next tick
     generates; every rank decides on what was gathered at the tick, never on wall-clock time, so ranks wait
     for each other there (fill and dynamic_bs gather once per round instead)."""
+    lockstep: Optional[bool] = None
+    """stream, several engines in several processes: true makes every engine run exactly tick_steps
+    engine steps per tick, so the slowest engine sets the tick and the others wait for it (every decision
+    a function of engine steps: reproducible). false lets an engine that has run its steps keep generating
+    until every process has run its own (no engine idles at the tick; what a tick observes then depends on
+    timing; sampler/free_steps counts those steps). None: false with pipeline.mode=async at max_staleness >= 1
+    (already timing-dependent), true otherwise."""
     on_shortfall: str = "error"
     """When the cap (or the dataset) runs out before the batch is full: 'error' stops with a message
     saying what was found (the default: a DAPO step always has train_batch_size groups, so a short
@@ -626,6 +633,12 @@ class Config:
         if self.algorithm.tis_cap is not None:
             return self.algorithm.tis_cap
         return self.rollout.quantization_tis_cap if self.rollout.quantization == "fp8" else None
+
+    def lockstep(self) -> bool:
+        """sampler.lockstep in force: as set, else off only in async at max_staleness >= 1."""
+        if self.sampler.lockstep is not None:
+            return self.sampler.lockstep
+        return not (self.pipeline.mode == "async" and self.sampler.max_staleness >= 1)
 
     def eval_response_length(self) -> int:
         """The evaluation's generation limit: eval.max_response_length, else rollout.max_response_length."""

@@ -26,6 +26,9 @@ from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPO
 
 ROLLOUT_EXIT_GRACE_S = 60.0
 """After the train side has exited, how long the rollout side may take to stop before it is killed."""
+FAILURE_GRACE_S = 5.0
+"""After the train side has failed, how long the rollout side may take to exit on its own (its status may name the
+cause: a rollout process that died first) before it is killed."""
 
 _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -112,10 +115,10 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
 
-    def rollout_died() -> int:
+    def died(side: str, status: int, other: str) -> int:
         print(
-            f"error: the rollout side exited with status {rollout.returncode}; the train side was stopped, "
-            f"its last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
+            f"error: the {side} side exited with status {status}; the {other} side was stopped, "
+            f"the last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
             file=sys.stderr,
             flush=True,
         )
@@ -124,16 +127,23 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
     try:
         while True:
             if train.poll() is not None:
-                try:
-                    rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
-                except subprocess.TimeoutExpired:  # it waited on a train side that left mid-step
-                    _kill_tree(rollout)
-                    return train.returncode
+                if train.returncode == 0:  # it asked the controller to stop: let it finish
+                    try:
+                        rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        _kill_tree(rollout)
+                        return 0
+                    return 0 if rollout.returncode == 0 else died("rollout", rollout.returncode, "train")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    rollout.wait(timeout=FAILURE_GRACE_S)
                 # a train side that failed because its peer was gone (a lost connection) exits first at times
-                return rollout_died() if train.returncode != 0 and rollout.returncode != 0 else train.returncode
+                if rollout.returncode is not None and rollout.returncode < 0 <= train.returncode:
+                    return died("rollout", rollout.returncode, "train")
+                _kill_tree(rollout)  # it holds nothing the checkpoints need: the controller's state is in them
+                return died("train", train.returncode, "rollout")
             if rollout.poll() is not None and rollout.returncode != 0:
                 _kill_tree(train)  # its checkpoints are complete or absent, never half written
-                return rollout_died()
+                return died("rollout", rollout.returncode, "train")
             time.sleep(0.2)
     finally:
         for s, handler in previous.items():

@@ -1,12 +1,14 @@
 """Run under torchrun (gloo, 2 ranks) by tests/test_exchange.py, as `exchange_worker.py MODE OUT_DIR`; each rank writes
 OUT_DIR/rank{r}.json. MODE exchange: gather summaries, deliver responses, write what arrived. MODE agreement: two
 dynamic-sampling loaders (a scripted engine per rank, one reward pool each) take two steps with the same seed on
-both ranks, then with a different seed on rank 1; write the groups each step trained and the error each raised."""
+both ranks, then with a different seed on rank 1; write the groups each step trained and the error each raised. MODE
+free_steps: loaders whose engines run at different speeds, with and without sampler.lockstep."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch.distributed as dist
 from scripted_engine import ScriptedEngine, loader_config, make_dataset
@@ -100,10 +102,54 @@ def agreement(comm: Comm) -> dict:
     return out
 
 
+class SlowEngine(ScriptedEngine):
+    """A scripted engine whose every step takes `delay` seconds more: the slowest engine of a tick."""
+
+    def __init__(self, script, capacity: int, delay: float) -> None:
+        super().__init__(script, capacity=capacity)
+        self.delay = delay
+
+    def step(self):
+        time.sleep(self.delay)
+        return super().step()
+
+
+def free_steps(comm: Comm) -> dict:
+    """Rank 1's engine 5 ms slower a step. Cases: "free" (sampler.lockstep off, an engine per rank), "lockstep"
+    (on), "tp2" (off, one engine driven by both ranks, as rollout.tp = 2 drives one): {case: {"steps": [[prompt
+    index of each trained group] per step], "free": [sampler/free_steps per step], "engine_steps": this rank's}}."""
+    out = {}
+    with RewardPool(num_workers=1) as pool:
+        for case, num_engines, lockstep in (("free", 2, False), ("lockstep", 2, True), ("tp2", 1, False)):
+            cfg = loader_config(
+                group_size=4,
+                train_batch_size=3,
+                gen_batch_size=4,
+                max_response_length=8,
+                overlong_buffer_len=2,
+                tick_steps=2,
+                lockstep=lockstep,
+                seed=5,
+            )
+            engine_id = comm.rank % num_engines
+            engine = SlowEngine(scripted, capacity=8, delay=0.005 * comm.rank)
+            owned = {engine_id} if comm.rank < num_engines else set()  # an engine's first rank holds its groups
+            loader = DynamicSamplingLoader(
+                cfg, make_dataset(40), {engine_id: engine}, pool, num_engines=num_engines, owned=owned, comm=comm
+            )
+            steps, free = [], []
+            for _ in range(2):
+                batch = loader.next_batch()
+                steps.append([g.index for g in batch.groups])
+                free.append(batch.stats.get("sampler/free_steps"))
+            out[case] = {"steps": steps, "free": free, "engine_steps": engine.steps}
+    return out
+
+
 def main(mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     comm = Comm(dist.get_rank(), dist.get_world_size())
-    result = {"exchange": exchange, "agreement": agreement}[mode](comm)
+    result = {"exchange": exchange, "agreement": agreement, "free_steps": free_steps}[mode](comm)
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -117,6 +117,17 @@ def test_fp8_rollouts_turn_truncated_is_on_unless_told_otherwise():
         load_config(overrides=["sampler.partial_rollout=true"])
 
 
+def test_engines_run_in_lockstep_unless_async_already_depends_on_timing():
+    assert load_config().lockstep()  # colocated: reproducible
+    async_ = ["pipeline.mode=async", "sampler.partial_rollout=true", "algorithm.tis_cap=2"]
+    assert load_config(overrides=[*async_, "sampler.max_staleness=0"]).lockstep()  # eta 0: the colocated steps
+    assert not load_config(overrides=async_).lockstep()  # eta 1 (the default)
+    assert load_config(overrides=[*async_, "sampler.lockstep=true"]).lockstep()
+    assert not load_config(overrides=["sampler.lockstep=false"]).lockstep()
+    with pytest.raises(ConfigError, match="sampler.lockstep"):
+        load_config(overrides=["sampler.lockstep=sometimes"])
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/run.yaml")

@@ -73,3 +73,18 @@ def test_ranks_whose_schedulers_disagree_raise_on_every_rank(tmp_path):
         assert error.startswith(head), error
         prints.append(int(error[len(head) :].split(")")[0]))
     assert prints[0] != prints[1]
+
+
+def test_without_lockstep_a_fast_engine_generates_on_instead_of_waiting_at_the_tick(tmp_path):
+    """sampler.lockstep off: the faster rank's engine takes steps past tick_steps while the slower one finishes its
+    own (sampler/free_steps, the same number on both ranks), both ranks still take the same batches; on, every
+    engine takes exactly the tick's steps. Two ranks driving one engine (rollout.tp = 2) take the same steps, as its
+    first rank decides, or vLLM's tensor-parallel step would hang."""
+    ranks = _two_ranks("free_steps", tmp_path)
+    free, lockstep, tp2 = ([r[case] for r in ranks] for case in ("free", "lockstep", "tp2"))
+    for both in (free, lockstep, tp2):
+        assert both[0]["steps"] == both[1]["steps"] and [len(s) for s in both[0]["steps"]] == [3, 3]
+        assert both[0]["free"] == both[1]["free"]
+    assert sum(free[0]["free"]) > 0 and free[0]["engine_steps"] > free[1]["engine_steps"]  # the fast one stepped on
+    assert lockstep[0]["free"] == [None, None] and lockstep[0]["engine_steps"] == lockstep[1]["engine_steps"]
+    assert sum(tp2[0]["free"]) > 0 and tp2[0]["engine_steps"] == tp2[1]["engine_steps"]

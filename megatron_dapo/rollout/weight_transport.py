@@ -20,12 +20,19 @@ arrive without holding the model twice:
 On the wire, per update: a header {"version", "weight_format"}; per bucket a list of (name, dtype, shape) then one
 flat uint8 buffer holding the bucket's tensors back to back, each 16-byte aligned (any dtype, FP8 too, travels as
 its bytes); then an empty list. An object travels pickled, as its length then its bytes.
+
+A crash inside an update can be asked for: with DAPO_FAULT=send:V:B (or receive:V:B) the train rank that sends (a
+rollout rank that receives) kills itself with SIGKILL once bucket B of update V is sent (applied): the resilience
+tests' kill -9 mid-weight-update, at a point no signal sent from outside could aim at.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import pickle
+import signal
 import time
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -35,6 +42,15 @@ import torch.distributed as dist
 
 Bucket = list[tuple[str, torch.Tensor]]
 """Hugging Face (name, full tensor) pairs: what WeightBridge yields and a sender sends, one buffer at a time."""
+
+
+FAULT_ENV = "DAPO_FAULT"
+
+
+def _fault_point(where: str, version: int, bucket: int) -> None:
+    """SIGKILL this process here if DAPO_FAULT asks for it (no handler runs, nothing is flushed: a crash)."""
+    if os.environ.get(FAULT_ENV) == f"{where}:{version}:{bucket}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -118,6 +134,7 @@ class WeightSender:
             flat[at : at + raw.numel()].copy_(raw)
             at += _padded(raw.numel())
         self.group.broadcast(flat, self.group.rank)
+        _fault_point("send", self.version, self._buckets)
         self._bytes += flat.numel()
         self._buckets += 1
 
@@ -143,6 +160,7 @@ class WeightReceiver:
     def __init__(self, group: TransportGroup, src: int = 0) -> None:
         self.group, self.src = group, src
         self.weight_format: Optional[str] = None
+        self.version: Optional[int] = None
         self._open = False
 
     def begin(self) -> int:
@@ -151,13 +169,14 @@ class WeightReceiver:
         if not isinstance(header, dict) or "version" not in header:
             raise RuntimeError(f"weight transport: expected an update's header from rank {self.src}, got {header!r}")
         self.weight_format, self._open = header["weight_format"], True
-        return int(header["version"])
+        self.version = int(header["version"])
+        return self.version
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The update's tensors in the sender's order, one bucket received at a time; ends with the update."""
         if not self._open:
             raise RuntimeError("WeightReceiver.tensors() before begin()")
-        while True:
+        for bucket in itertools.count():
             specs = self.group.broadcast_object(None, self.src)
             if not specs:
                 self._open = False
@@ -169,6 +188,7 @@ class WeightReceiver:
             for (name, d, shape), n in zip(specs, sizes):
                 yield name, flat[at : at + n].view(_DTYPES[d]).reshape(shape)
                 at += _padded(n)
+            _fault_point("receive", self.version, bucket)  # the engine has taken this bucket's tensors
 
 
 def _padded(nbytes: int) -> int:

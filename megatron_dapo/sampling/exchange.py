@@ -78,6 +78,31 @@ class Comm:
         dist.gather_object(obj, out, dst=dst)
         return out
 
+    def host_groups(self, size: int) -> tuple[Any, Any]:
+        """Two gloo groups for signals that must not queue behind (or between) an engine's NCCL work: the whole
+        world's, and this rank's among the consecutive blocks of `size` ranks (an engine's rollout.tp ranks; None
+        when size is 1). Collective: every rank builds every group, in the same order."""
+        world = dist.new_group(list(range(self.world)), backend="gloo")
+        mine = None
+        for first in range(0, self.world, size) if size > 1 else ():
+            group = dist.new_group(list(range(first, first + size)), backend="gloo")
+            if first <= self.rank < first + size:
+                mine = group
+        return world, mine
+
+    @staticmethod
+    def arrive(group: Any) -> Any:
+        """A barrier over `group` (host_groups' world) that does not block: a handle whose is_completed() turns
+        true once every rank has arrived; wait() blocks until then."""
+        return dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+
+    @staticmethod
+    def broadcast_flag(flag: bool, group: Any) -> bool:
+        """The flag of the first rank of `group` (host_groups' block) on every rank of it."""
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.broadcast(t, group=group, group_src=0)
+        return bool(t.item())
+
     def max(self, values: Sequence[float]) -> list[float]:
         """Element-wise max over ranks."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)

@@ -5,7 +5,7 @@ Each rollout step, in ticks of `sampler.tick_steps` engine steps:
 1. the scheduler (scheduler.py, the same on every rank) says which new groups to submit and to
    which engine; each rank submits those for its own engine;
 2. every engine runs the tick's steps (continuous batching keeps it full; with fill, until its share
-   of the round is done); a group whose last
+   of the round is done; with sampler.lockstep off, on until every rank has run its steps); a group whose last
    sample finishes is shaped (soft overlong punishment), filtered (0 < #correct < G on raw
    correctness, or the user's sampler.filter) and handed to the reward pool right away, so
    scoring overlaps generation;
@@ -22,7 +22,8 @@ A group's responses live only on the rank of the engine that made it (its "owner
 sampler.mode=fill or dynamic_bs the same machinery generates whole rounds (other trainers'
 samplers, for comparison). Every decision is a function of what was observed at tick
 boundaries, never of wall-clock time, so every rank takes the same decisions and a resumed run
-repeats an uninterrupted one.
+repeats an uninterrupted one (with sampler.lockstep off, what a tick observes depends on how fast
+each engine ran; every rank still takes the same decisions on it).
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ class DynamicSamplingLoader:
         )
         self.group_size = a.group_size
         self.tick_steps = s.tick_steps
+        # sampler.lockstep off: engines that have run their tick's steps go on generating until every rank has
+        self.free = not cfg.lockstep() and s.mode == "stream" and self.comm.world > 1
+        # the ranks that drive one engine (rollout.tp) must step it together: its first rank decides for them
+        self._everyone, self._engine_ranks = (
+            self.comm.host_groups(self.comm.world // num_engines) if self.free else (None, None)
+        )
+        self.free_steps = 0  # this rank's engine steps past tick_steps, this rollout step
         self.sampling = dict(
             temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length, stop_token_ids=stop_token_ids
         )
@@ -144,6 +152,7 @@ class DynamicSamplingLoader:
         t0 = time.perf_counter()
         engine_t0 = {e: dict(eng.stats) for e, eng in self.engines.items()} if self._has_stats() else {}
         gathered0 = self.comm.bytes_gathered
+        self.free_steps = 0
         self._submit(sched.begin_step())
         self._tick = 0
         t_scoring = 0.0
@@ -196,12 +205,35 @@ class DynamicSamplingLoader:
         before that, as with a batch generate() per engine)."""
         rounds = self.scheduler.cfg.mode in ("fill", "dynamic_bs")
         steps = 0
-        while steps < self.tick_steps or (rounds and any(e.in_flight() for e in self.engines.values())):
-            for e, engine in self.engines.items():
-                for key, responses in engine.step():
-                    self._finished(e, key, responses)
-            self.scorer.poll()
+        while steps < self.tick_steps or (rounds and self._in_flight()):
+            self._step_engines()
             steps += 1
+        if self.free:
+            self._generate_until_every_rank_arrives()
+
+    def _generate_until_every_rank_arrives(self) -> None:
+        """sampler.lockstep off: instead of waiting at the tick for the slowest rank, this rank's engine steps on
+        while it has work, until every rank has run its tick_steps (what finishes meanwhile is this tick's)."""
+        arrived = self.comm.arrive(self._everyone)
+        while True:
+            go = not arrived.is_completed() and self._in_flight()
+            if self._engine_ranks is not None:  # every rank of an engine takes the same steps
+                go = self.comm.broadcast_flag(go, self._engine_ranks)
+            if not go:
+                break
+            self._step_engines()
+            self.free_steps += 1
+        arrived.wait()
+
+    def _in_flight(self) -> bool:
+        return any(e.in_flight() for e in self.engines.values())
+
+    def _step_engines(self) -> None:
+        """One engine step of each of this rank's engines; what finished goes to scoring."""
+        for e, engine in self.engines.items():
+            for key, responses in engine.step():
+                self._finished(e, key, responses)
+        self.scorer.poll()
 
     def _engine_load(self) -> list[int]:
         """Every engine's unfinished samples, as its owning rank counts them (the same numbers on every rank)."""
@@ -320,9 +352,12 @@ class DynamicSamplingLoader:
         busy = sum(
             self.engines[e].stats["seconds"] - before["seconds"] for e, before in engine_t0.items() if e in self.owned
         )
-        (busy,) = self.comm.sum([busy])
+        free = self.free_steps if self.owned else 0  # an engine's steps, counted once (by its first rank)
+        busy, free = self.comm.sum([busy, free])
         t_full, t_scoring = self.comm.max([t_full, t_scoring])
         out = {"sampler/ticks": float(ticks), "timing/rollout": t_full, "timing/reward_wait": t_scoring}
+        if self.free:
+            out["sampler/free_steps"] = free
         if engine_t0 and t_full > 0:
             engines = self.scheduler.num_engines
             out["timing/engine_busy_frac"] = busy / (engines * t_full)
