@@ -4,8 +4,16 @@ The config validates against them and the modules that act on them import them f
 config loads no torch, Triton or verifier code.
 """
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
-"""algorithm.loss_agg_mode: DAPO's token-level mean, or GRPO's per-sequence mean of token means."""
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""algorithm.loss_agg_mode: DAPO's token-level mean, GRPO's per-sequence mean of token means, the mean over
+responses of their token sums, or Dr. GRPO's token sums over a constant (responses x max_response_length)."""
+
+ADV_NORMS = ("std", "none")
+"""algorithm.adv_norm: GRPO's and DAPO's (R - mean) / (std + eps), or Dr. GRPO's R - mean."""
+
+OVERLONG_SHAPES = ("buffer", "excess")
+"""algorithm.overlong_shape: the paper's penalty ramp over the buffer below the limit, or the seed notes' penalty
+proportional to the excess over a soft maximum."""
 
 LOSS_IMPLS = ("auto", "reference", "fused")
 """algorithm.loss_impl: the fused Triton kernel, the PyTorch reference, or fused on CUDA tensors."""

@@ -28,10 +28,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_dapo.choices import (
+    ADV_NORMS,
     BAD_ROW_POLICIES,
     DATASET_FORMATS,
     LOSS_AGG_MODES,
     LOSS_IMPLS,
+    OVERLONG_SHAPES,
     ROLLOUT_QUANTIZATIONS,
     SAMPLER_MODES,
     SHORTFALL_POLICIES,
@@ -63,14 +65,20 @@ class AlgorithmConfig:
     """Dual clip for negative advantages (verl's clip_ratio_c, 10 there): the token
     loss is capped at -c * A. None turns it off, as in the paper. Must be > 1."""
     loss_agg_mode: str = "token-mean"
-    """'token-mean' (DAPO: every valid token of the mini-batch weighs the same) or
-    'seq-mean-token-mean' (GRPO: mean over tokens per response, then over responses)."""
+    """How token losses l become the mini-batch loss (each divisor counted over the whole mini-batch, every
+    micro-batch and data-parallel rank): 'token-mean' (DAPO: sum l / valid tokens), 'seq-mean-token-mean'
+    (GRPO: the mean over responses of their token means), 'seq-mean-token-sum' (sum l / responses in the
+    loss), 'seq-mean-token-sum-norm' (Dr. GRPO: sum l / (responses x rollout.max_response_length), a
+    constant, so no response's length changes another's weight)."""
     loss_impl: str = "auto"
     """'reference' (PyTorch, algorithm/policy_loss.py), 'fused' (the Triton kernel in
     megatron_dapo.kernels: one read of the inputs), or 'auto' (fused on CUDA tensors, the
     reference on CPU unless TRITON_INTERPRET=1)."""
     adv_eps: float = 1e-6
     """Added to the group's standard deviation: A = (R - mean) / (std + adv_eps)."""
+    adv_norm: str = "std"
+    """'std': A = (R - mean) / (std + adv_eps) within the group (GRPO, DAPO); 'none': A = R - mean
+    (Dr. GRPO: dividing by the std weighs groups whose rewards barely differ the most)."""
     log_ratio_clamp: float = 20.0
     """|logp - old_logp| is clamped to this before exp(), so huge differences never give inf/NaN."""
     tis_cap: Optional[float] = None
@@ -79,11 +87,19 @@ class AlgorithmConfig:
     dynamic_sampling: bool = True
     """Keep only informative groups (0 < #correct < G). Off: every group is trained on (GRPO)."""
     overlong_punishment: bool = True
-    """Soft overlong punishment added to the reward (paper eq. 13)."""
+    """Soft overlong punishment added to the reward (paper eq. 13; its shape: overlong_shape)."""
+    overlong_shape: str = "buffer"
+    """'buffer' (the paper): 0 up to max_response_length - overlong_buffer_len, then a linear ramp to
+    -overlong_penalty_factor at max_response_length. 'excess' (the seed notes): past overlong_soft_max,
+    -overlong_penalty_factor x (len - overlong_soft_max) / overlong_soft_max, no floor (examples/seed_notes_qwen2.5_7b.yaml)."""
     overlong_buffer_len: int = 4096
     """L_cache: the length of the punishment interval just below rollout.max_response_length."""
+    overlong_soft_max: Optional[int] = None
+    """excess: the length past which the penalty starts; None: max_response_length - overlong_buffer_len
+    (where the paper's ramp starts). Must be below rollout.max_response_length, which no response passes."""
     overlong_penalty_factor: float = 1.0
-    """The penalty at and beyond max_response_length; it grows linearly to it inside the buffer."""
+    """buffer: the penalty at and beyond max_response_length; it grows linearly to it inside the buffer.
+    excess: the penalty per soft maximum of excess (0.1 in the seed notes)."""
     overlong_filter: bool = False
     """Overlong filtering: responses truncated at the length limit are masked out of the loss."""
 
@@ -119,6 +135,13 @@ class AlgorithmConfig:
         )
         _check(self.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", self.loss_impl, f"one of {LOSS_IMPLS}")
         _check(self.adv_eps > 0, "algorithm.adv_eps", self.adv_eps, "a value > 0")
+        _check(self.adv_norm in ADV_NORMS, "algorithm.adv_norm", self.adv_norm, f"one of {ADV_NORMS}")
+        _check(
+            self.overlong_shape in OVERLONG_SHAPES,
+            "algorithm.overlong_shape",
+            self.overlong_shape,
+            f"one of {OVERLONG_SHAPES}",
+        )
         _check(self.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", self.log_ratio_clamp, "a value > 0")
         if self.overlong_punishment:
             _check(
@@ -497,7 +520,8 @@ class TrainConfig:
     sequences are packed into micro-batches under it, so long and short responses balance."""
     packed_sequences: bool = True
     """With Transformer Engine (GPU), pack each micro-batch's sequences into one row (THD
-    format, no padding, the budget counts real tokens); otherwise rows are right-padded."""
+    format, no padding, the budget counts real tokens); otherwise rows are right-padded (and always
+    with algorithm.loss_agg_mode=seq-mean-token-mean, which means over each response's row)."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -640,6 +664,13 @@ class Config:
             return self.sampler.lockstep
         return not (self.pipeline.mode == "async" and self.sampler.max_staleness >= 1)
 
+    def overlong_soft_max(self) -> int:
+        """overlong_shape=excess: algorithm.overlong_soft_max, else where the paper's ramp starts."""
+        a = self.algorithm
+        if a.overlong_soft_max is not None:
+            return a.overlong_soft_max
+        return self.rollout.max_response_length - a.overlong_buffer_len
+
     def eval_response_length(self) -> int:
         """The evaluation's generation limit: eval.max_response_length, else rollout.max_response_length."""
         return self.eval.max_response_length or self.rollout.max_response_length
@@ -650,12 +681,20 @@ class Config:
             if dataclasses.is_dataclass(section := getattr(self, f.name)):
                 section.validate()
         a, r, s, o = self.algorithm, self.rollout, self.sampler, self.optim
-        if a.overlong_punishment:
+        if a.overlong_punishment and (a.overlong_shape == "buffer" or a.overlong_soft_max is None):
             _check(
                 1 <= a.overlong_buffer_len <= r.max_response_length,
                 "algorithm.overlong_buffer_len",
                 a.overlong_buffer_len,
                 f"an integer in [1, rollout.max_response_length={r.max_response_length}]",
+            )
+        if a.overlong_punishment and a.overlong_shape == "excess":
+            _check(
+                1 <= self.overlong_soft_max() < r.max_response_length,
+                "algorithm.overlong_soft_max" if a.overlong_soft_max is not None else "algorithm.overlong_buffer_len",
+                a.overlong_soft_max if a.overlong_soft_max is not None else a.overlong_buffer_len,
+                f"a soft maximum in [1, rollout.max_response_length={r.max_response_length}) (no response is longer "
+                "than the limit, so a soft maximum at it never punishes)",
             )
         _check(
             s.engine_sequences >= a.group_size,

@@ -56,6 +56,7 @@ def train_samples(
     prompts: Any,
     adv_eps: float,
     overlong_filter: bool,
+    adv_norm: str = "std",
 ) -> list[TrainSample]:
     """TrainSamples for the responses `ids` of the batch: each its group's advantage (from the shaped rewards of
     every response of the group, computed in float64), overlong filtering, the engine's logprobs for truncated IS.
@@ -65,7 +66,8 @@ def train_samples(
     if not ids:
         return []
     by_key = {g.key: i for i, g in enumerate(batch)}
-    advantages = group_advantages(torch.tensor([g.rewards for g in batch], dtype=torch.float64), eps=adv_eps)
+    rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float64)
+    advantages = group_advantages(rewards, eps=adv_eps, norm=adv_norm)
     truncated = torch.tensor([g.truncated for g in batch], dtype=torch.bool)
     in_loss = overlong_filter_mask(truncated) if overlong_filter else torch.ones_like(truncated)
     samples = []
@@ -208,7 +210,8 @@ class Trainer:
             )
         a = self.cfg.algorithm
         slices = [
-            train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter) for ids in mine
+            train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter, a.adv_norm)
+            for ids in mine
         ]
         return slices, self.comm.sum([sent])[0]
 

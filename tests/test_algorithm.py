@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from megatron_dapo.algorithm import (
+    LOSS_AGG_MODES,
+    excess_overlong_penalty,
     group_advantages,
     informative_groups,
     loss_metrics,
+    loss_normalizer,
     mismatch_metrics,
     overlong_filter_mask,
     policy_loss,
@@ -56,9 +59,10 @@ def ref_token(lp, olp, a, eps_low, eps_high, c=None, w=1.0, clamp=20.0):
     return w * loss, w * grad
 
 
-def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode="token-mean"):
+def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode="token-mean", max_len=None):
     """Returns (loss_sum, normalizer, dL/dlogp of loss_sum/normalizer, tol): float64, and the absolute tolerance of a
-    float32 loss_sum (its terms cancel, so it is relative to the sum of their magnitudes, not to loss_sum)."""
+    float32 loss_sum (its terms cancel, so it is relative to the sum of their magnitudes, not to loss_sum).
+    mode: the four aggregations, as verl defines them (max_len: seq-mean-token-sum-norm's constant)."""
     b, t = len(lp), len(lp[0])
     losses = [[0.0] * t for _ in range(b)]
     grads = [[0.0] * t for _ in range(b)]
@@ -68,15 +72,23 @@ def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode=
                 wij = 1.0 if w is None else w[i][j]
                 losses[i][j], grads[i][j] = ref_token(lp[i][j], olp[i][j], adv[i], eps_low, eps_high, c, wij)
     tol = 1e-6 * max(1.0, sum(abs(x) for row in losses for x in row))
-    if mode == "token-mean":
-        n = sum(sum(1 for m in row if m) for row in mask)
+    lens = [sum(1 for m in row if m) for row in mask]
+    if mode == "token-mean":  # every valid token of the batch weighs the same
+        n = sum(lens)
         total = sum(map(sum, losses))
         scale = [[1.0 / n if n else 0.0] * t for _ in range(b)]
-    else:
-        lens = [sum(1 for m in row if m) for row in mask]
+    elif mode == "seq-mean-token-mean":  # the mean over responses of their token means
         n = sum(1 for k in lens if k)
         total = sum(sum(losses[i]) / lens[i] for i in range(b) if lens[i])
         scale = [[1.0 / (lens[i] * n) if lens[i] else 0.0] * t for i in range(b)]
+    elif mode == "seq-mean-token-sum":  # the mean over responses of their token sums
+        n = sum(1 for k in lens if k)
+        total = sum(map(sum, losses))
+        scale = [[1.0 / n if n else 0.0] * t for _ in range(b)]
+    else:  # seq-mean-token-sum-norm (Dr. GRPO): token sums over every response x the length limit
+        n = b * max_len
+        total = sum(map(sum, losses))
+        scale = [[1.0 / n] * t for _ in range(b)]
     grad = [[grads[i][j] * scale[i][j] for j in range(t)] for i in range(b)]
     return total, float(n), grad, tol
 
@@ -153,6 +165,23 @@ def test_group_advantages_are_zero_for_equal_rewards_that_float32_cannot_hold(gr
         assert got[i].tolist() == pytest.approx(ref_advantages(rewards[i].tolist()), rel=1e-5, abs=1e-6)
 
 
+def test_dr_grpo_advantages_are_the_centred_rewards(seed):
+    """adv_norm none (Dr. GRPO): A = R - mean, no division, against float64 written out; equal rewards exactly 0."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(6, 8, generator=g, dtype=torch.float64) * 3
+    rewards[2] = 0.4  # equal rewards
+    rewards[3, :4], rewards[3, 4:] = 1.0, -1.0  # the std of this group is not 1: a kept division would show
+    got = group_advantages(rewards, norm="none")
+    assert got.dtype == torch.float32
+    for i in range(6):
+        row = rewards[i].tolist()
+        assert got[i].tolist() == pytest.approx([x - sum(row) / 8 for x in row], rel=1e-6, abs=1e-7)
+    assert torch.equal(got[2], torch.zeros(8))
+    assert got[3].tolist() == [1.0] * 4 + [-1.0] * 4  # std-normalised: +-0.935
+    with pytest.raises(ValueError, match="norm='mean', expected one of"):
+        group_advantages(rewards, norm="mean")
+
+
 # ------------------------------------------------------------------ overlong
 
 
@@ -182,6 +211,27 @@ def test_soft_overlong_punishment_bad_input():
     assert soft_overlong_punishment(torch.tensor([], dtype=torch.long), 10, 5).shape == (0,)
 
 
+def test_excess_overlong_penalty_is_the_seed_notes_formula(seed):
+    """The seed notes: reward - penalty_weight x (len - max_len) / max_len past max_len (0.1 there), 0 before."""
+    soft_max = 1000
+    lengths = [0, 1, 999, 1000, 1001, 1500, 2000, 4096]
+    lengths += torch.randint(0, 4096, (50,), generator=torch.Generator().manual_seed(seed)).tolist()
+    for factor in (0.1, 1.0):
+        got = excess_overlong_penalty(torch.tensor(lengths), soft_max, factor)
+        assert got.dtype == torch.float32
+        want = [-factor * (n - soft_max) / soft_max if n > soft_max else 0.0 for n in lengths]
+        assert got.tolist() == pytest.approx(want, rel=1e-6, abs=1e-7)  # float32 of the float64 value
+    # landmarks: nothing at the soft maximum, -0.05 at 1.5x, -0.1 at twice it, and no floor
+    assert excess_overlong_penalty(torch.tensor([1000, 1500, 2000, 4000]), 1000).tolist() == pytest.approx(
+        [0.0, -0.05, -0.1, -0.3]
+    )
+    assert excess_overlong_penalty(torch.tensor([], dtype=torch.long), 10).shape == (0,)
+    with pytest.raises(ValueError, match="soft_max=0 must be >= 1"):
+        excess_overlong_penalty(torch.tensor([1]), 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        excess_overlong_penalty(torch.tensor([-1]), 10)
+
+
 def test_overlong_filter_mask():
     assert overlong_filter_mask(torch.tensor([True, False, True])).tolist() == [False, True, False]
 
@@ -205,15 +255,15 @@ def test_informative_groups_on_raw_correctness(seed):
 # ------------------------------------------------------------------ policy loss
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("dual_clip_c", [None, 3.0])
 def test_policy_loss_matches_reference(mode, dual_clip_c, seed):
     logp, old_logp, adv, mask = random_batch(seed, spread=1.0)
-    mask[2] = False  # an overlong-filtered response: no token, and no share of seq-mean's count
-    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=dual_clip_c, loss_agg_mode=mode)
+    mask[2] = False  # an overlong-filtered response: no token, no share of the seq modes' count, still Dr. GRPO's
+    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=dual_clip_c, loss_agg_mode=mode, max_response_length=50)
     out, grad = run_loss(logp, old_logp, adv, mask, **kw)
     total, n, ref_grad, tol = ref_policy_loss(
-        logp.tolist(), old_logp.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip_c, mode=mode
+        logp.tolist(), old_logp.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip_c, mode=mode, max_len=50
     )
     assert float(out.normalizer) == n
     assert float(out.loss_sum) == pytest.approx(total, rel=0, abs=tol)
@@ -387,18 +437,24 @@ def test_rollout_mismatch_against_float64_reference(seed):
         rollout_mismatch_sums(torch.zeros(2, 3), torch.zeros(2, 3))
 
 
-def test_token_mean_is_global_over_micro_batches(seed):
-    """Summing loss_sum and normalizer over micro-batches equals the one-batch loss, gradients too."""
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_every_aggregation_is_global_over_micro_batches(mode, seed):
+    """Summing loss_sum and normalizer over micro-batches (or data-parallel ranks: the same sums) equals the
+    one-batch loss, gradients too; the divisor is loss_normalizer's rule on the whole mini-batch, as the trainer
+    computes it from its samples."""
     logp, old_logp, adv, mask = random_batch(seed, b=8, t=30)
     mask[3] = False  # a fully masked response changes the per-micro-batch counts
-    whole, whole_grad = run_loss(logp, old_logp, adv, mask, dual_clip_c=3.0)
+    kw = dict(dual_clip_c=3.0, loss_agg_mode=mode, max_response_length=40)
+    whole, whole_grad = run_loss(logp, old_logp, adv, mask, **kw)
+    assert whole.normalizer == loss_normalizer(mask.sum(1), mode, 40)
     lp = logp.clone().float().requires_grad_(True)
     parts = [
-        policy_loss(lp[s], old_logp[s].float(), adv[s].float(), mask[s], dual_clip_c=3.0)
+        policy_loss(lp[s], old_logp[s].float(), adv[s].float(), mask[s], **kw)
         for s in (slice(0, 1), slice(1, 5), slice(5, 8))
     ]
-    global_tokens = sum(p.normalizer for p in parts)
-    sum(p.loss_sum / global_tokens for p in parts).backward()
+    global_count = sum(p.normalizer for p in parts)
+    assert global_count == whole.normalizer
+    sum(p.loss_sum / global_count for p in parts).backward()
     torch.testing.assert_close(lp.grad, whole_grad, rtol=1e-6, atol=1e-8)
     merged = reduce_stats([p.stats for p in parts])
     for k, v in whole.stats.items():

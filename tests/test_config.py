@@ -128,6 +128,25 @@ def test_engines_run_in_lockstep_unless_async_already_depends_on_timing():
         load_config(overrides=["sampler.lockstep=sometimes"])
 
 
+def test_the_excess_overlong_shape_s_soft_maximum():
+    cfg = load_config(overrides=["algorithm.overlong_shape=excess"])
+    assert cfg.overlong_soft_max() == 20480 - 4096  # where the paper's ramp starts
+    assert (
+        load_config(
+            overrides=["algorithm.overlong_shape=excess", "algorithm.overlong_soft_max=8000"]
+        ).overlong_soft_max()
+        == 8000
+    )
+    with pytest.raises(
+        ConfigError, match=r"algorithm.overlong_soft_max=20480: expected a soft maximum in \[1, rollout"
+    ):
+        load_config(overrides=["algorithm.overlong_shape=excess", "algorithm.overlong_soft_max=20480"])
+    with pytest.raises(ConfigError, match="algorithm.overlong_shape='linear': expected one of"):
+        load_config(overrides=["algorithm.overlong_shape=linear"])
+    with pytest.raises(ConfigError, match="algorithm.adv_norm='mean': expected one of"):
+        load_config(overrides=["algorithm.adv_norm=mean"])
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/run.yaml")

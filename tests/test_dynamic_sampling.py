@@ -807,3 +807,30 @@ def test_two_engines_share_the_work_and_train_what_one_engine_trains(pool, mode,
     assert trained_by == {0, 1}  # both did work that was trained (one batch of 6 may come from one engine alone)
     counts = [len(e.submitted) for e in engines.values()]
     assert abs(counts[0] - counts[1]) <= max(counts) // 4  # each new group goes where the fewest are in flight
+
+
+@pytest.mark.parametrize("shape", ["buffer", "excess"])
+def test_a_group_s_rewards_are_its_scores_plus_the_configured_overlong_penalty(shape):
+    """GroupShaping (what the loader does with each finished group): reward = score + the overlong penalty of the
+    configured shape, written out here in float64; informative on raw correctness, not on the shaped rewards."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.sampling.group_summary import GroupShaping
+    from megatron_dapo.types import Group, Prompt, Response
+
+    overrides = ["rollout.max_response_length=20", "algorithm.overlong_buffer_len=8", "algorithm.group_size=4"]
+    cfg = load_config(
+        overrides=[*overrides, f"algorithm.overlong_shape={shape}", "algorithm.overlong_penalty_factor=0.5"]
+    )
+    lengths, scores = [5, 12, 16, 20], [1.0, -1.0, 1.0, -1.0]
+    prompt = Prompt(index=3, messages=[], text="q", token_ids=[1], ground_truth="7", data_source="x")
+    group = Group(prompt, [Response(list(range(n)), "a", truncated=n == 20) for n in lengths], [], [], [])
+    scored = SimpleNamespace(scores=scores, acc=[s > 0 for s in scores], status=["ok"] * 4)
+    shaping = GroupShaping(cfg.algorithm, 20, None, cfg.overlong_soft_max())
+    meta = shaping.summarise(0, group, 0, scored, version=0)
+    if shape == "buffer":  # free to 12, then down to -0.5 at 20
+        penalty = [0.0 if n <= 12 else -0.5 * (n - 12) / 8 for n in lengths]
+    else:  # past the soft maximum 12 (20 - 8): -0.5 x excess / 12
+        penalty = [0.0 if n <= 12 else -0.5 * (n - 12) / 12 for n in lengths]
+    assert meta.rewards == pytest.approx([s + p for s, p in zip(scores, penalty)], abs=1e-7)
+    assert meta.informative and meta.acc == [True, False, True, False]

@@ -122,7 +122,13 @@ def get(cfg: Config, key: str):
 def test_the_examples_are_these():
     names = [p.name for p in EXAMPLES]
     assert names == sorted(
-        ["tiny_cpu.yaml", "gsm8k_qwen2.5_1.5b.yaml", "dapo_math_qwen2.5_7b.yaml", "dapo_math_qwen2.5_32b.yaml"]
+        [
+            "tiny_cpu.yaml",
+            "gsm8k_qwen2.5_1.5b.yaml",
+            "dapo_math_qwen2.5_7b.yaml",
+            "dapo_math_qwen2.5_32b.yaml",
+            "seed_notes_qwen2.5_7b.yaml",
+        ]
     )
 
 

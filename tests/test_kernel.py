@@ -22,7 +22,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_dapo.algorithm import STAT_KEYS, policy_loss  # noqa: E402
+from megatron_dapo.algorithm import LOSS_AGG_MODES, STAT_KEYS, loss_normalizer, policy_loss  # noqa: E402
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl  # noqa: E402
 from megatron_dapo.kernels import fused_policy_loss, fused_runs_on  # noqa: E402
 from megatron_dapo.kernels import ratio_clip_reduce as rcr  # noqa: E402
@@ -402,40 +402,62 @@ def test_finite_differences_float32(seed):
 def test_auto_resolves_to_the_kernel_where_it_runs(monkeypatch):
     cpu = torch.device("cpu")
     assert fused_runs_on(cpu)  # the tests run Triton's interpreter (conftest)
-    assert resolve_loss_impl("auto", "token-mean", fused_runs_on(cpu)) == "fused"
+    assert resolve_loss_impl("auto", fused_runs_on(cpu)) == "fused"
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert not fused_runs_on(cpu) and resolve_loss_impl("auto", "token-mean", fused_runs_on(cpu)) == "reference"
+    assert not fused_runs_on(cpu) and resolve_loss_impl("auto", fused_runs_on(cpu)) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not fused_runs_on(cpu)
-    for impl in ("auto", "fused"):  # the kernel computes the token-mean only
-        assert resolve_loss_impl(impl, "seq-mean-token-mean", True) == "reference"
-    assert resolve_loss_impl("reference", "token-mean", True) == "reference"
+    assert resolve_loss_impl("reference", True) == "reference" and resolve_loss_impl("fused", True) == "fused"
 
 
 def test_fused_where_it_cannot_run_and_unknown_names_are_clear_errors(seed, monkeypatch):
     with pytest.raises(RuntimeError, match="algorithm.loss_impl='fused' needs CUDA"):
-        resolve_loss_impl("fused", "token-mean", False)
+        resolve_loss_impl("fused", False)
     with pytest.raises(ValueError, match="algorithm.loss_impl='triton'"):
-        resolve_loss_impl("triton", "token-mean", True)
+        resolve_loss_impl("triton", True)
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         policy_loss_fn("auto")
     batch = make_batch(torch.Generator().manual_seed(seed), 2, 64)
-    with pytest.raises(ValueError, match="token-mean only"):
-        policy_loss_fn("fused")(
-            batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], loss_agg_mode="seq-mean-token-mean"
-        )
+    for impl in ("fused", "reference"):
+        with pytest.raises(ValueError, match="'seq-mean-token-sum-norm' needs max_response_length >= 1, got None"):
+            policy_loss_fn(impl)(
+                batch["logp"],
+                batch["old_logp"],
+                batch["advantages"],
+                batch["mask"],
+                loss_agg_mode="seq-mean-token-sum-norm",
+            )
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         fused_policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
 
 
-def test_the_registered_losses_agree(seed):
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_the_registered_losses_agree(mode, seed):
+    """Every aggregation through the kernel equals the reference: loss sum, divisor, statistics and the gradient of
+    the mini-batch loss (with the gradient fused into the forward pass, as the trainer runs it)."""
     batch = make_batch(torch.Generator().manual_seed(seed), 3, 555, adv_per_token=True, with_isw=True)
-    args = (batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
-    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"], loss_agg_mode="token-mean")
-    out = policy_loss_fn("fused")(*args, normalizer=1000.0, **kw)
-    ref = policy_loss_fn("reference")(*args, normalizer=1000.0, **kw)  # the reference ignores the normalizer
-    assert_same_loss(batch, out, ref, DUAL_C)
-    seq = policy_loss_fn("reference")(*args, loss_agg_mode="seq-mean-token-mean")
-    want = policy_loss(*args, loss_agg_mode="seq-mean-token-mean")
-    assert torch.equal(seq.loss_sum, want.loss_sum) and torch.equal(seq.normalizer, want.normalizer)
+    mask = batch["mask"]
+    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"], loss_agg_mode=mode, max_response_length=600)
+    results = {}
+    for impl in ("fused", "reference"):
+        logp = batch["logp"].clone().requires_grad_(True)
+        args = (logp, batch["old_logp"], batch["advantages"], mask)
+        normalizer = loss_normalizer(mask.bool().sum(1), mode, 600)  # one micro-batch: the whole divisor
+        out = policy_loss_fn(impl)(*args, normalizer=normalizer, **kw)  # the reference ignores `normalizer`
+        (out.loss_sum / normalizer).backward()
+        results[impl] = (out, logp.grad)
+    (out, grad), (ref, ref_grad) = results["fused"], results["reference"]
+    if mode == "seq-mean-token-mean":  # the loss scale assert_same_loss knows is the token sum's
+        torch.testing.assert_close(out.loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-6)
+        assert out.normalizer.item() == ref.normalizer.item()
+    else:
+        assert_same_loss(batch, out, ref, DUAL_C)
+    want = {
+        "token-mean": mask.sum(),
+        "seq-mean-token-mean": 2,  # the third response is empty
+        "seq-mean-token-sum": 2,
+        "seq-mean-token-sum-norm": 3 * 600,
+    }[mode]
+    assert ref.normalizer.item() == float(want)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)

@@ -64,6 +64,10 @@ def test_samples_take_their_groups_advantage_and_overlong_filter():
     assert [len(s.response_ids) for s in samples] == [1, 2, 3, 4, 2] and samples[2].rollout_logp.tolist() == [-0.5] * 3
     assert all(s.in_loss for s in train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=False))
     assert train_samples(batch, [], responses, prompts, 1e-6, overlong_filter=True) == []
+    # Dr. GRPO (algorithm.adv_norm=none): the reward minus the group's mean, nothing divided
+    dr = train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=True, adv_norm="none")
+    centred = [r - sum(g.rewards) / 4 for g in batch for r in g.rewards]
+    assert [s.advantage for s in dr] == pytest.approx(centred[:4] + [centred[5]], abs=1e-6)
 
 
 def test_minibatch_ids_split_each_minibatch_evenly_over_data_parallel_ranks():

@@ -2,13 +2,14 @@
 
 from megatron_dapo.algorithm.advantages import group_advantages
 from megatron_dapo.algorithm.filters import informative_groups
-from megatron_dapo.algorithm.overlong import overlong_filter_mask, soft_overlong_punishment
+from megatron_dapo.algorithm.overlong import excess_overlong_penalty, overlong_filter_mask, soft_overlong_punishment
 from megatron_dapo.algorithm.policy_loss import (
     LOSS_AGG_MODES,
     MISMATCH_KEYS,
     STAT_KEYS,
     PolicyLoss,
     loss_metrics,
+    loss_normalizer,
     mismatch_metrics,
     policy_loss,
     reduce_stats,
@@ -22,9 +23,11 @@ __all__ = [
     "MISMATCH_KEYS",
     "STAT_KEYS",
     "PolicyLoss",
+    "excess_overlong_penalty",
     "group_advantages",
     "informative_groups",
     "loss_metrics",
+    "loss_normalizer",
     "mismatch_metrics",
     "overlong_filter_mask",
     "policy_loss",

@@ -1,12 +1,14 @@
 """The policy-loss registry: algorithm.loss_impl -> the function that computes the loss, resolved once at start-up.
 
 Both take (logp, old_logp, advantages, mask) and the keywords eps_low, eps_high, dual_clip_c, is_weight,
-loss_agg_mode, log_ratio_clamp and normalizer, and return the same PolicyLoss (shapes in policy_loss.py):
-- 'reference': policy_loss.py's PyTorch code, every aggregation;
-- 'fused': the Triton kernel (megatron_dapo.kernels), token-mean only; with `normalizer` (the global count of valid
-  tokens) it writes the gradient in its forward pass. The reference ignores `normalizer`: the result is the same.
-'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU) and the aggregation is
-token-mean, else 'reference'.
+loss_agg_mode, log_ratio_clamp, max_response_length and normalizer, and return the same PolicyLoss (shapes in
+policy_loss.py), for every aggregation:
+- 'reference': policy_loss.py's PyTorch code;
+- 'fused': the Triton kernel (megatron_dapo.kernels), which sums token losses: every mode but seq-mean-token-mean
+  is that sum over its own divisor, and seq-mean-token-mean weighs each token by 1 / its response's valid tokens
+  (folded into the truncated-IS weight the kernel already reads). With `normalizer` (the mini-batch's global
+  divisor) it writes the gradient in its forward pass. The reference ignores `normalizer`: the result is the same.
+'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU), else 'reference'.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_dapo.algorithm.policy_loss import PolicyLoss, policy_loss
+from megatron_dapo.algorithm.policy_loss import PolicyLoss, loss_normalizer, policy_loss
 from megatron_dapo.choices import LOSS_IMPLS
 
 LossFn = Callable[..., PolicyLoss]
@@ -40,25 +42,31 @@ def _fused(
     mask: torch.Tensor,
     *,
     loss_agg_mode: str = "token-mean",
+    max_response_length: Optional[int] = None,
+    is_weight: Optional[torch.Tensor] = None,
     **kw,
 ) -> PolicyLoss:
     from megatron_dapo.kernels import fused_policy_loss
 
-    if loss_agg_mode != "token-mean":
-        raise ValueError(f"the fused policy loss is token-mean only, not loss_agg_mode={loss_agg_mode!r}")
-    return fused_policy_loss(logp, old_logp, advantages, mask, **kw)
+    tokens = mask.bool().sum(dim=1)
+    normalizer = loss_normalizer(tokens, loss_agg_mode, max_response_length)
+    if loss_agg_mode == "seq-mean-token-mean":  # sum over tokens of l / (its response's tokens)
+        per_seq = (1.0 / tokens.clamp(min=1).float())[:, None].expand(mask.shape)
+        is_weight = per_seq if is_weight is None else is_weight.detach().float() * per_seq
+    out = fused_policy_loss(logp, old_logp, advantages, mask, is_weight=is_weight, **kw)
+    return PolicyLoss(loss_sum=out.loss_sum, normalizer=normalizer.to(out.normalizer), stats=out.stats)
 
 
 POLICY_LOSSES: dict[str, LossFn] = {"reference": _reference, "fused": _fused}
 
 
-def resolve_loss_impl(impl: str, loss_agg_mode: str, fused_runs_here: bool) -> str:
+def resolve_loss_impl(impl: str, fused_runs_here: bool) -> str:
     """algorithm.loss_impl -> 'reference' or 'fused' for this run. fused_runs_here: the kernel can run on this device
     (megatron_dapo.kernels.fused_runs_on). Raises ValueError naming the field for an unknown name, and RuntimeError
     for 'fused' where the kernel cannot run."""
     if impl not in LOSS_IMPLS:
         raise ValueError(f"algorithm.loss_impl={impl!r}: expected one of {LOSS_IMPLS}")
-    if impl == "reference" or loss_agg_mode != "token-mean":  # the kernel computes the token-mean only
+    if impl == "reference":
         return "reference"
     if impl == "fused" and not fused_runs_here:
         raise RuntimeError(

@@ -1,4 +1,5 @@
-"""Overlong reward shaping (DAPO section 3.4): soft punishment and overlong filtering."""
+"""Overlong reward shaping (DAPO section 3.4): soft punishment (the paper's buffer ramp, or the seed notes' penalty on
+the excess over a soft maximum) and overlong filtering."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def soft_overlong_punishment(
     expected_len = max_response_length - overlong_buffer_len
     penalty = (expected_len - lengths.double()) / overlong_buffer_len * factor
     return penalty.clamp(min=-factor, max=0.0).float()
+
+
+def excess_overlong_penalty(lengths: torch.Tensor, soft_max: int, factor: float = 0.1) -> torch.Tensor:
+    """The seed notes' length penalty added to the reward: -factor * (|o| - soft_max) / soft_max past soft_max, else 0.
+
+    lengths: [N] response lengths in tokens. Returns [N] float32, <= 0 (no floor: the generation limit bounds it).
+    """
+    if soft_max < 1:
+        raise ValueError(f"excess_overlong_penalty: soft_max={soft_max} must be >= 1")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"excess_overlong_penalty: response lengths must be >= 0, got min {int(lengths.min())}")
+    excess = (lengths.double() - soft_max).clamp(min=0.0)
+    return (-factor * excess / soft_max).float()
 
 
 def overlong_filter_mask(truncated: torch.Tensor) -> torch.Tensor:

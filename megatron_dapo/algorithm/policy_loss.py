@@ -32,13 +32,35 @@ class PolicyLoss:
     """What one micro-batch contributes to the mini-batch loss."""
 
     loss_sum: torch.Tensor
-    """[] float32, differentiable. token-mean: the sum of token losses; seq-mean-token-mean:
-    the sum over responses of each response's mean token loss."""
+    """[] float32, differentiable. seq-mean-token-mean: the sum over responses of each response's mean
+    token loss; every other mode: the sum of token losses."""
     normalizer: torch.Tensor
-    """[] float32: what loss_sum is divided by once summed over the mini-batch: valid tokens
-    (token-mean) or responses with at least one valid token (seq-mean-token-mean)."""
+    """[] float32: this micro-batch's share of what the summed loss_sum is divided by (loss_normalizer)."""
     stats: dict[str, torch.Tensor]
     """STAT_KEYS -> [] float32, detached."""
+
+
+def loss_normalizer(
+    tokens: torch.Tensor, loss_agg_mode: str, max_response_length: Optional[int] = None
+) -> torch.Tensor:
+    """What responses add to the mini-batch loss's divisor (summed over micro-batches and data-parallel ranks).
+
+    tokens: [B] valid (in-loss) tokens per response. token-mean: the valid tokens; seq-mean-token-mean and
+    seq-mean-token-sum: the responses with at least one; seq-mean-token-sum-norm (Dr. GRPO): every response,
+    in the loss or not, times max_response_length (a constant: no response's length changes another's weight).
+    Returns [] float32.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
+    if loss_agg_mode == "token-mean":
+        return tokens.sum().float()
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        if max_response_length is None or max_response_length < 1:
+            raise ValueError(
+                f"loss_agg_mode='seq-mean-token-sum-norm' needs max_response_length >= 1, got {max_response_length}"
+            )
+        return torch.tensor(float(tokens.numel() * max_response_length), device=tokens.device)
+    return (tokens > 0).sum().float()
 
 
 def token_policy_loss(
@@ -89,14 +111,16 @@ def policy_loss(
     is_weight: Optional[torch.Tensor] = None,
     loss_agg_mode: str = AlgorithmConfig.loss_agg_mode,
     log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
+    max_response_length: Optional[int] = None,
 ) -> PolicyLoss:
-    """The DAPO loss of one micro-batch, as a sum plus its normaliser.
+    """The DAPO loss of one micro-batch, as a sum plus its normaliser (one row per response).
 
     logp:       [B, T] current policy's response-token logprobs (fp32 or bf16), differentiable
     old_logp:   [B, T] logprobs of the policy that sampled (recomputed by the trainer)
     advantages: [B] per response or [B, T] per token
     mask:       [B, T] bool/0-1, True on valid response tokens
     is_weight:  [B, T] optional truncated-IS weights (see truncated_is_weight), not differentiated
+    max_response_length: seq-mean-token-sum-norm's constant (rollout.max_response_length)
     The mini-batch loss is sum(loss_sum) / sum(normalizer) over its micro-batches and ranks.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
@@ -121,13 +145,12 @@ def policy_loss(
         loss = loss * torch.where(mask, is_weight.detach().float(), zero)
     loss = torch.where(mask, loss, zero)
 
-    if loss_agg_mode == "token-mean":
-        loss_sum = loss.sum()
-        normalizer = mask.sum().float()
-    else:  # seq-mean-token-mean: each response weighs the same, whatever its length
-        tokens_per_seq = mask.sum(dim=1)
+    tokens_per_seq = mask.sum(dim=1)
+    if loss_agg_mode == "seq-mean-token-mean":  # each response weighs the same, whatever its length
         loss_sum = (loss.sum(dim=1) / tokens_per_seq.clamp(min=1)).sum()
-        normalizer = (tokens_per_seq > 0).sum().float()
+    else:  # the token sum: over tokens (token-mean), responses (seq-mean-token-sum) or a constant (-norm)
+        loss_sum = loss.sum()
+    normalizer = loss_normalizer(tokens_per_seq, loss_agg_mode, max_response_length)
 
     ratio = flags["ratio"]
     log_ratio = torch.log(ratio)

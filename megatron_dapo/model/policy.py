@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import loss_metrics, reduce_stats, truncated_is_weight
+from megatron_dapo.algorithm import loss_metrics, loss_normalizer, reduce_stats, truncated_is_weight
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.config import Config
 from megatron_dapo.kernels import fused_runs_on
@@ -227,11 +227,13 @@ class MegatronPolicy:
         self._forward_backward = get_forward_backward_func()
         # THD packing needs Transformer Engine's attention; the local spec gets padded rows. Under
         # context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
-        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1
+        # seq-mean-token-mean means over each response's row: padded rows there too.
+        a = cfg.algorithm
+        per_row = a.loss_agg_mode == "seq-mean-token-mean"
+        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1 and not per_row
         self.optimizer_steps = 0
         # algorithm.loss_impl, 'auto' resolved once for this device: the fused kernel or the reference
-        a = cfg.algorithm
-        self.loss_impl = resolve_loss_impl(a.loss_impl, a.loss_agg_mode, fused_runs_on(layout.device))
+        self.loss_impl = resolve_loss_impl(a.loss_impl, fused_runs_on(layout.device))
         self.loss_fn = policy_loss_fn(self.loss_impl)
 
     def close(self) -> None:
@@ -334,14 +336,10 @@ class MegatronPolicy:
     # ---------------------------------------------------------------- train step
 
     def global_normalizer(self, samples: list[TrainSample]) -> float:
-        """What the mini-batch's loss sum is divided by, summed over data-parallel ranks.
-
-        token-mean: valid response tokens; seq-mean-token-mean: responses with a valid token.
-        """
-        if self.cfg.algorithm.loss_agg_mode == "token-mean":
-            local = sum(len(s.response_ids) for s in samples if s.in_loss)
-        else:
-            local = sum(1 for s in samples if s.in_loss and s.response_ids)
+        """What the mini-batch's loss sum is divided by (algorithm.loss_normalizer's rule for loss_agg_mode), summed
+        over data-parallel ranks."""
+        tokens = torch.tensor([len(s.response_ids) if s.in_loss else 0 for s in samples], dtype=torch.int64)
+        local = loss_normalizer(tokens, self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.max_response_length)
         count = torch.tensor([float(local)], dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(count, group=self._dp_group())
         return float(count.item())
@@ -375,6 +373,7 @@ class MegatronPolicy:
                 is_weight=is_weight,
                 loss_agg_mode=a.loss_agg_mode,
                 log_ratio_clamp=a.log_ratio_clamp,
+                max_response_length=self.cfg.rollout.max_response_length,
             )
             loss = out.loss_sum / max(normalizer, 1.0)
             entropy = token_entropy(logits, temperature, vocab, self.layout)

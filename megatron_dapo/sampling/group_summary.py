@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_dapo.algorithm import informative_groups, soft_overlong_punishment
+from megatron_dapo.algorithm import excess_overlong_penalty, informative_groups, soft_overlong_punishment
 from megatron_dapo.config import AlgorithmConfig, ConfigError
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.types import Group, Response
@@ -45,6 +45,8 @@ class GroupShaping:
     algorithm: AlgorithmConfig
     max_response_length: int
     filter_fn: Optional[GroupFilter] = None
+    soft_max: Optional[int] = None
+    """overlong_shape=excess: Config.overlong_soft_max()."""
 
     def summarise(self, key: int, group: Group, engine: int, scored: Any, version: int) -> GroupMeta:
         """Fill group.scores/acc/rewards from `scored` (.scores, .acc, .status: one per response) and summarise it.
@@ -56,7 +58,11 @@ class GroupShaping:
         scores = [float(x) for x in scored.scores]
         rewards = torch.tensor(scores, dtype=torch.float64)
         a = self.algorithm
-        if a.overlong_punishment:
+        if a.overlong_punishment and a.overlong_shape == "excess":
+            if self.soft_max is None:
+                raise ValueError("GroupShaping: overlong_shape='excess' needs soft_max (Config.overlong_soft_max())")
+            rewards += excess_overlong_penalty(torch.tensor(lengths), self.soft_max, a.overlong_penalty_factor).double()
+        elif a.overlong_punishment:
             rewards += soft_overlong_punishment(
                 torch.tensor(lengths), self.max_response_length, a.overlong_buffer_len, a.overlong_penalty_factor
             ).double()
