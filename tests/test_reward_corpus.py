@@ -1,6 +1,7 @@
 """The labelled reward corpus: false negatives and false positives of every verifier, and the hybrid's rules.
 
-tests/data/reward_corpus.jsonl holds one hand-written case a line: `response`, `reference`,
+tests/data/reward_corpus.jsonl opens with a header of `#` lines (the rules of the answers whose cases it generates),
+then holds one hand-written case a line: `response`, `reference`,
 `correct` (the label, by the DAPO-Math convention: the reference is the canonical answer and a
 mathematically equal form is correct), `reason` (why, one line) and `category`; a long
 response stores its filler as `prefix_repeat: [text, n]` (response = text * n + response).
@@ -83,6 +84,8 @@ def load_corpus() -> list[dict]:
     """The corpus cases, with `response` expanded from `prefix_repeat`."""
     cases = []
     for line in CORPUS.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            continue  # the header
         case = json.loads(line)
         text, times = case.pop("prefix_repeat", ("", 0))
         case["response"] = text * times + case["response"]
