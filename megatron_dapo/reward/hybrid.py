@@ -22,7 +22,12 @@ Cleaning (``clean_answer``): what on that line is the answer
   be an equal equation;
 - words after a number are a unit and dropped ("5 cm", "12 square units", "42 apples", even
   "42 because"), unless a word changes the number (thousand, half, squared, or, not, ...) or
-  anything but unit words follows: "42 because 6*7 = 42" and "42, no wait, 41" are prose;
+  anything but unit words follows: "42 because 6*7 = 42" and "42, no wait, 41" are prose. A word
+  written onto the number with no space leaves it the number only as its ordinal ending (34th)
+  or a listed unit abbreviation (34cm); "34abc" is text (tests/data/reward_corpus.jsonl's header);
+- digits split by spaces (plain, thin, no-break, ``\\,``, ``~``) are one number only in groups of
+  three ("1 000", "12\\,345"); split elsewhere ("3 4", "10 00") they equal nothing; a comma and a
+  space part a list ("1, 000" is not 1000);
 - 'and'/'or' between answers make a list ("1 and 2", "x = 1 or x = 2"; so "42 or 43" is a set of
   two); ``a \\pm b`` is the set {a+b, a-b}; ``x \\in S`` is S; an inequality in one variable is
   its interval ("1 < x \\le 2" is (1, 2], "x > 3" is (3, \\infty));
@@ -185,6 +190,8 @@ def _scalar_equal(pred: Element, gold: Element, secs: int | None) -> bool:
 
 def _answers_equal(pred: Answer, gold: Answer, secs: int | None) -> bool:
     """The comparison of the module docstring, steps 1-5."""
+    if pred.malformed or gold.malformed:
+        return False
     if pred.is_text or gold.is_text:
         return pred.text_key == gold.text_key
     if gold.is_equation:  # 'x^2+y^2=4', 'y=2x+1': the whole equation is the answer

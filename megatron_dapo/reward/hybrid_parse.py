@@ -59,6 +59,13 @@ _NOT_UNIT_WORDS = frozenset(
 # Unit words, spaces and a ^2 / ^3; the two parts start with different characters, so matching is linear.
 _UNIT_TAIL_RE = re.compile(r"[A-Za-z\s/.]*(?:\^\{?[23]\}?[A-Za-z\s/.]*)*")
 _SUBSCRIPT_RE = re.compile(r"_(?:\{[^{}]*\}|\w)")
+# Letters written onto a number (no space) that leave it the number: its English ordinal ending, or a unit
+# abbreviation of two or more letters (tests/data/reward_corpus.jsonl's header, rule 1); any other word makes it text.
+_ATTACHED_UNITS = frozenset("mm cm dm km mg kg lb lbs oz ft in yd mi ml hr hrs min sec mph kph kmh".split())
+# Digit groups split by spaces of any kind (rule 2), not starting after a subscript, superscript or decimal point.
+_SPACE_SEP = r"(?:[ \t\u00a0\u2009\u202f]|\\[,;: ]|~)+"
+_SPACED_DIGITS_RE = re.compile(r"(?<![\d._^])\d+(?:" + _SPACE_SEP + r"\d+)+")
+_LIST_COMMA_RE = re.compile(r",\s+(?=\d)")
 _SEPARATOR_WORDS = frozenset(("and", "or"))
 _MEMBER_RE = re.compile(r"\s*[A-Za-z]\s*\\in(?![A-Za-z])")
 _RELATION_RE = re.compile(r"\\(?:leq?|geq?|lt|gt)(?![A-Za-z])|[<>]")
@@ -138,7 +145,7 @@ def _strip_wrappers(raw: str) -> str:
     for before, after in SIMPLE_SUBSTITUTIONS:
         s = s.replace(before, after)
     s = LEFT_RIGHT_RE.sub("", s)
-    s = unwrap_commands(s)
+    s = unwrap_commands(s).replace("~", " ")  # a LaTeX tie is a space
     s = s.strip().strip("*").strip()
     lead = _LEAD_IN_RE.match(s)
     if lead and lead.end() > 0:
@@ -152,16 +159,19 @@ def _strip_wrappers(raw: str) -> str:
 @dataclass
 class Answer:
     """A cleaned answer: `text` keeps its spaces (math-verify needs them); `is_text` marks a text answer;
-    `whole` is the text before 'x =' was dropped, `is_equation` marks a reference whose '=' is part of the answer."""
+    `whole` is the text before 'x =' was dropped, `is_equation` marks a reference whose '=' is part of the answer;
+    `malformed` marks digits split where no digit grouping splits them ('3 4'): equal to nothing."""
 
     text: str
     is_text: bool
     whole: str = ""
     is_equation: bool = False
+    malformed: bool = False
 
     @functools.cached_property
     def norm(self) -> str:
-        return normalize_answer(self.text, split_equations=False)  # clean_answer already kept what counts
+        # clean_answer already kept what counts; a comma and a space part list items, never digit groups ('1, 000')
+        return normalize_answer(_LIST_COMMA_RE.sub(",;", self.text), split_equations=False)
 
     @functools.cached_property
     def text_key(self) -> str:
@@ -223,7 +233,25 @@ def clean_answer(raw: str) -> Answer:
     answer = _classify(rhs)
     answer.whole = whole
     answer.is_equation = lhs is not None and (not _NAME_RE.fullmatch(lhs) or bool(Element(rhs).variables))
+    answer.malformed = any(not _digit_groups(m.group()) for m in _SPACED_DIGITS_RE.finditer(raw))
     return answer
+
+
+def _digit_groups(run: str) -> bool:
+    """A run of digits split by spaces is one number when it is thousands grouping: one kind of separator, a first
+    group of one to three digits, then groups of three ('1 000', '12\\,345')."""
+    groups, separators = re.findall(r"\d+", run), re.findall(r"\D+", run)
+    return 1 <= len(groups[0]) <= 3 and all(len(g) == 3 for g in groups[1:]) and len(set(separators)) == 1
+
+
+def _ordinal_ending(n: int) -> str:
+    return "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
+def _attached_word_keeps_number(head: str, word: str) -> bool:
+    """A word written onto the number that ends `head` ('34' + 'th', '34' + 'cm'): does the number stand?"""
+    digits = re.search(r"\d+$", head)
+    return word.lower() in _ATTACHED_UNITS or (digits is not None and word == _ordinal_ending(int(digits.group())))
 
 
 def _classify(s: str) -> Answer:
@@ -237,6 +265,9 @@ def _classify(s: str) -> Answer:
     if not words:
         return Answer(_as_interval(s), is_text=False)
     head, tail = s[: words[0].start()].rstrip(), s[words[0].start() :]
+    attached = words[0].start() > 0 and s[words[0].start() - 1].isdigit()
+    if attached and not _attached_word_keeps_number(head, words[0].group()):
+        return Answer(s, is_text=True)  # '34abc' is a word, not 34 with a unit
     if (
         any(ch.isdigit() or ch == "\\" for ch in head)
         and _UNIT_TAIL_RE.fullmatch(tail)
@@ -289,7 +320,7 @@ def _split_commas(s: str) -> list[str]:
 def _structure(text: str) -> tuple[str, list[str]]:
     """('scalar', [text]) | ('set', elements) | (brackets like '()' or '(]', elements); a bare list is a set."""
     s = text.strip()
-    if THOUSANDS_RE.fullmatch("".join(s.split())):
+    if THOUSANDS_RE.fullmatch(s):  # '1,000'; '1, 000' is the list of 1 and 000
         return "scalar", [s]
     kind, inner = "set", s
     if s.startswith("\\{") and s.endswith("\\}") and _encloses(s, 2, len(s) - 2):
