@@ -15,6 +15,9 @@ OVERLONG_SHAPES = ("buffer", "excess")
 """algorithm.overlong_shape: the paper's penalty ramp over the buffer below the limit, or the seed notes' penalty
 proportional to the excess over a soft maximum."""
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""The per-token estimators of KL(pi || pi_ref) (algorithm/kl.py)."""
+
 LOSS_IMPLS = ("auto", "reference", "fused")
 """algorithm.loss_impl: the fused Triton kernel, the PyTorch reference, or fused on CUDA tensors."""
 

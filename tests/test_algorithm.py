@@ -12,6 +12,7 @@ from megatron_dapo.algorithm import (
     excess_overlong_penalty,
     group_advantages,
     informative_groups,
+    kl_estimate,
     loss_metrics,
     loss_normalizer,
     mismatch_metrics,
@@ -484,3 +485,87 @@ def test_policy_loss_bad_input():
         policy_loss(x, x, torch.zeros(2), x.bool(), loss_agg_mode="sum")
     with pytest.raises(ValueError, match=r"must all be the same \[B, T\]"):
         policy_loss(x, torch.zeros(2, 4), torch.zeros(2), x.bool())
+
+
+# ------------------------------------------------------------------ KL to a reference policy
+
+
+def test_kl_estimators_match_their_float64_formulas(seed):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 4
+    ref = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 4
+    logp[0, 0], ref[0, 0] = -50.0, -1.0  # d = 49: clamped to 20, and k3 to 10
+    logp[0, 1], ref[0, 1] = -1.0, -60.0  # d = -59: clamped to -20
+    for est in ("k1", "k2", "k3"):
+        got = kl_estimate(logp.float(), ref.float(), est)
+        assert got.dtype == torch.float32 and got.shape == (6, 9)
+        for i in range(6):
+            for j in range(9):
+                d = max(-20.0, min(20.0, float(ref[i, j]) - float(logp[i, j])))
+                want = {"k1": -d, "k2": d * d / 2, "k3": max(-10.0, min(10.0, math.exp(d) - 1 - d))}[est]
+                assert float(got[i, j]) == pytest.approx(want, rel=1e-5, abs=1e-6), (est, i, j)
+    assert float(kl_estimate(logp, ref, "k3")[0, 0]) == 10.0  # the clamp, not exp(20)
+    assert kl_estimate(logp, ref, "k2").dtype == torch.float64
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_of_a_policy_to_itself_is_zero(est, seed):
+    logp = (-torch.rand(4, 7, generator=torch.Generator().manual_seed(seed)) * 3).requires_grad_(True)
+    k = kl_estimate(logp, logp.detach().clone(), est)
+    assert torch.equal(k, torch.zeros_like(k))
+    k.sum().backward()
+    # k2 and k3 are flat at d = 0; k1 = logp - ref_logp has slope 1 per token (zero only in expectation: below)
+    assert torch.equal(logp.grad, torch.full_like(logp, 1.0 if est == "k1" else 0.0))
+    empty = kl_estimate(torch.zeros(0, 3), torch.zeros(0, 3), est)
+    assert empty.shape == (0, 3)
+
+
+def test_kl_estimate_bad_input():
+    with pytest.raises(ValueError, match="estimator='k4', expected one of"):
+        kl_estimate(torch.zeros(2), torch.zeros(2), "k4")
+    with pytest.raises(ValueError, match=r"logp \(2,\) and ref_logp \(3,\) must match"):
+        kl_estimate(torch.zeros(2), torch.zeros(3), "k1")
+
+
+def test_each_kl_estimator_s_expected_gradient_on_a_categorical_enumerated_in_full(seed):
+    """pi = softmax(theta) over 6 outcomes, every outcome weighted by its probability (the exact expectation of a
+    sampled estimate). As a loss term (gradient through logp, samples fixed): k1 -> 0, k2 -> grad KL(pi || ref),
+    k3 -> grad KL(ref || pi). As a reward penalty (score function: k x grad logp): k1 -> grad KL(pi || ref), k3
+    biased. A value-only test would pass a k1 loss term that does nothing."""
+    g = torch.Generator().manual_seed(seed)
+    theta0 = torch.randn(6, generator=g, dtype=torch.float64)
+    ref_logp = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+
+    def grad(f):
+        theta = theta0.clone().requires_grad_(True)
+        f(theta).backward()
+        return theta.grad
+
+    def exact_reverse(theta):  # KL(pi || ref)
+        logp = torch.log_softmax(theta, 0)
+        return (logp.exp() * (logp - ref_logp)).sum()
+
+    def exact_forward(theta):  # KL(ref || pi)
+        return (ref_logp.exp() * (ref_logp - torch.log_softmax(theta, 0))).sum()
+
+    def as_loss(est):
+        def f(theta):
+            logp = torch.log_softmax(theta, 0)
+            return (logp.exp().detach() * kl_estimate(logp, ref_logp, est)).sum()
+
+        return f
+
+    def as_reward(est):
+        def f(theta):
+            logp = torch.log_softmax(theta, 0)
+            return (logp.exp().detach() * kl_estimate(logp, ref_logp, est).detach() * logp).sum()
+
+        return f
+
+    zero, reverse, forward = torch.zeros(6, dtype=torch.float64), grad(exact_reverse), grad(exact_forward)
+    assert reverse.abs().max() > 1e-3 and (reverse - forward).abs().max() > 1e-3  # distinguishable targets
+    torch.testing.assert_close(grad(as_loss("k1")), zero, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad(as_loss("k2")), reverse, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad(as_loss("k3")), forward, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad(as_reward("k1")), reverse, rtol=1e-10, atol=1e-12)
+    assert (grad(as_reward("k3")) - reverse).abs().max() > 1e-3  # k3 in the reward is biased
