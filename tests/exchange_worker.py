@@ -76,20 +76,25 @@ def scripted(prompt: int, j: int, seed: int) -> tuple[int, bool]:
     return 1 + (prompt + 3 * j) % 5, j < 1 + prompt % 3
 
 
+def small_config(**fields):
+    """Groups of 4, batches of 3, responses up to 8 tokens, a decision every 2 engine steps; `fields` on top."""
+    return loader_config(
+        group_size=4,
+        train_batch_size=3,
+        gen_batch_size=4,
+        max_response_length=8,
+        overlong_buffer_len=2,
+        tick_steps=2,
+        **fields,
+    )
+
+
 def agreement(comm: Comm) -> dict:
     """{"same" | "different": {"steps": [[prompt index of each trained group] per step], "error": str | None}}."""
     out = {}
     with RewardPool(num_workers=1) as pool:
         for case, seeds in (("same", (5, 5)), ("different", (5, 6))):
-            cfg = loader_config(
-                group_size=4,
-                train_batch_size=3,
-                gen_batch_size=4,
-                max_response_length=8,
-                overlong_buffer_len=2,
-                tick_steps=2,
-                seed=seeds[comm.rank],
-            )
+            cfg = small_config(seed=seeds[comm.rank])
             engines = {comm.rank: ScriptedEngine(scripted, capacity=8)}
             loader = DynamicSamplingLoader(cfg, make_dataset(40), engines, pool, num_engines=2, comm=comm)
             steps, error = [], None
@@ -121,16 +126,7 @@ def free_steps(comm: Comm) -> dict:
     out = {}
     with RewardPool(num_workers=1) as pool:
         for case, num_engines, lockstep in (("free", 2, False), ("lockstep", 2, True), ("tp2", 1, False)):
-            cfg = loader_config(
-                group_size=4,
-                train_batch_size=3,
-                gen_batch_size=4,
-                max_response_length=8,
-                overlong_buffer_len=2,
-                tick_steps=2,
-                lockstep=lockstep,
-                seed=5,
-            )
+            cfg = small_config(seed=5, lockstep=lockstep)
             engine_id = comm.rank % num_engines
             engine = SlowEngine(scripted, capacity=8, delay=0.005 * comm.rank)
             owned = {engine_id} if comm.rank < num_engines else set()  # an engine's first rank holds its groups
