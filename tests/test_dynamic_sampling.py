@@ -826,7 +826,7 @@ def test_a_group_s_rewards_are_its_scores_plus_the_configured_overlong_penalty(s
     prompt = Prompt(index=3, messages=[], text="q", token_ids=[1], ground_truth="7", data_source="x")
     group = Group(prompt, [Response(list(range(n)), "a", truncated=n == 20) for n in lengths], [], [], [])
     scored = SimpleNamespace(scores=scores, acc=[s > 0 for s in scores], status=["ok"] * 4)
-    shaping = GroupShaping(cfg.algorithm, 20, None, cfg.overlong_soft_max())
+    shaping = GroupShaping(cfg.algorithm, 20, cfg.overlong_soft_max())
     meta = shaping.summarise(0, group, 0, scored, version=0)
     if shape == "buffer":  # free to 12, then down to -0.5 at 20
         penalty = [0.0 if n <= 12 else -0.5 * (n - 12) / 8 for n in lengths]

@@ -40,13 +40,14 @@ def token_versions(responses: list[Response], current: int) -> list[int]:
 @dataclass(frozen=True)
 class GroupShaping:
     """How a finished group's scores become its rewards and its informative flag: the config's algorithm section
-    (overlong punishment, dynamic sampling), rollout.max_response_length and sampler.filter (imported)."""
+    (overlong punishment, dynamic sampling), rollout.max_response_length, the excess shape's soft maximum and
+    sampler.filter (imported)."""
 
     algorithm: AlgorithmConfig
     max_response_length: int
+    soft_max: int
+    """Where overlong_shape=excess starts punishing: Config.overlong_soft_max()."""
     filter_fn: Optional[GroupFilter] = None
-    soft_max: Optional[int] = None
-    """overlong_shape=excess: Config.overlong_soft_max()."""
 
     def summarise(self, key: int, group: Group, engine: int, scored: Any, version: int) -> GroupMeta:
         """Fill group.scores/acc/rewards from `scored` (.scores, .acc, .status: one per response) and summarise it.
@@ -59,8 +60,6 @@ class GroupShaping:
         rewards = torch.tensor(scores, dtype=torch.float64)
         a = self.algorithm
         if a.overlong_punishment and a.overlong_shape == "excess":
-            if self.soft_max is None:
-                raise ValueError("GroupShaping: overlong_shape='excess' needs soft_max (Config.overlong_soft_max())")
             rewards += excess_overlong_penalty(torch.tensor(lengths), self.soft_max, a.overlong_penalty_factor).double()
         elif a.overlong_punishment:
             rewards += soft_overlong_punishment(

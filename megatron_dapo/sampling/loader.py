@@ -119,7 +119,7 @@ class DynamicSamplingLoader:
             temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length, stop_token_ids=stop_token_ids
         )
         self.max_response_length = r.max_response_length
-        self.shaping = GroupShaping(a, r.max_response_length, filter_fn, cfg.overlong_soft_max())
+        self.shaping = GroupShaping(a, r.max_response_length, cfg.overlong_soft_max(), filter_fn)
         # this rank's share of the state: responses of the groups it owns that outlive a step
         self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
         self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
