@@ -1,4 +1,4 @@
-"""Wall time per named phase of a step, for the progress line and the timing/* metrics."""
+"""Wall time per named phase of a step, for the progress line and the timing/* metrics; which metrics are not times."""
 
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ class PhaseTimer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+# the metric families a rerun with the same seed must reproduce (timing/, perf/ and weight_sync/ are clocks)
+DETERMINISTIC = ("reward/", "sampler/", "skip/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
+
+
+def comparable(m: dict) -> dict:
+    """The metrics a rerun must reproduce: not times, and not bytes moved between ranks (they depend on the layout)."""
+    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}

@@ -9,18 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
-DETERMINISTIC = ("reward/", "sampler/", "skip/", "actor/", "response/", "trainer/", "rollout/", "eval/", "step")
+from megatron_dapo.timing import comparable  # noqa: F401  (the tests import it from here, beside metrics())
 
 
 def metrics(run: Path) -> list[dict]:
     """run_dir/metrics.jsonl, one dict per line; [] before the first step has written one."""
     path = run / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-
-
-def comparable(m: dict) -> dict:
-    """The metrics a rerun must reproduce: not times, and not bytes moved between ranks (they depend on the layout)."""
-    return {k: v for k, v in m.items() if k.startswith(DETERMINISTIC) and "seconds" not in k and "bytes" not in k}
 
 
 def python_path(*dirs: Path | str) -> str:

@@ -13,9 +13,9 @@ import pytest
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_writes_its_results(tmp_path):
     out = tmp_path / "demo"
-    # a warm start of 60 supervised steps (target 0), then 2 DAPO steps; the cap is off so a
-    # still-weak policy cannot end the run early
-    args = ["--out", str(out), "--steps", "2", "--eval-every", "1", "--warm-target", "0", "sampler.max_gen_batches=0"]
+    # a warm start of 60 supervised steps, then 2 DAPO steps; the cap is off so a still-weak
+    # policy cannot end the run early
+    args = ["--out", str(out), "--steps", "2", "--eval-every", "1", "--warm-steps", "60", "sampler.max_gen_batches=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_dapo.demo", *args], env=env, capture_output=True, text=True, timeout=900
