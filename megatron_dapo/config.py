@@ -31,6 +31,7 @@ from megatron_dapo.choices import (
     ADV_NORMS,
     BAD_ROW_POLICIES,
     DATASET_FORMATS,
+    KL_ESTIMATORS,
     LOSS_AGG_MODES,
     LOSS_IMPLS,
     OVERLONG_SHAPES,
@@ -102,6 +103,26 @@ class AlgorithmConfig:
     excess: the penalty per soft maximum of excess (0.1 in the seed notes)."""
     overlong_filter: bool = False
     """Overlong filtering: responses truncated at the length limit are masked out of the loss."""
+    kl_coef: float = 0.0
+    """beta: weight of the KL to a frozen reference policy (the starting weights, model.hf_path). 0: off, as in
+    DAPO, and no reference is built. GRPO's baseline uses 0.001 (verl kl_loss_coef, TRL beta, NeMo-RL
+    reference_policy_kl_penalty); examples/grpo_kl_ablation.yaml."""
+    kl_estimator: str = "k3"
+    """The per-token estimate k of KL(pi || pi_ref), with d = logp_ref - logp clamped to +-20:
+    'k1' = -d, 'k2' = d^2 / 2, 'k3' = exp(d) - 1 - d clamped to [-10, 10] (verl's low_var_kl, its default).
+    What each does to the gradient (tests/test_algorithm.py checks each on a categorical enumerated in full;
+    "A Comedy of Estimators", arXiv 2512.21852): as a loss term (kl_in_reward false), k1's expected gradient
+    is zero (it does nothing on average), k2 follows the gradient of KL(pi || pi_ref), k3 that of the forward
+    KL(pi_ref || pi); in the reward (kl_in_reward true), k1 gives the policy gradient of KL(pi || pi_ref)
+    exactly, k2 and k3 a biased one. So: k3 or k2 as a loss term (GRPO, verl), k1 in the reward (PPO/RLHF)."""
+    kl_in_reward: bool = False
+    """false: kl_coef x k is added to every token's loss, aggregated by loss_agg_mode with the same global
+    divisor, differentiated through the current logprobs. true: each response's reward becomes
+    R - kl_coef x (sum of k over its tokens, from the old logprobs, no gradient) before the group's
+    advantages are taken; which groups are informative is still decided on raw correctness."""
+    ref_offload: bool = False
+    """Keep the reference policy's weights in CPU memory, on the GPU only for its forward pass in the
+    old-logprob phase (saves its share of the weights per GPU: docs/training.md#kl-to-a-reference-policy)."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -143,6 +164,13 @@ class AlgorithmConfig:
             f"one of {OVERLONG_SHAPES}",
         )
         _check(self.log_ratio_clamp > 0, "algorithm.log_ratio_clamp", self.log_ratio_clamp, "a value > 0")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "a value >= 0 (0: no KL, no reference)")
+        _check(
+            self.kl_estimator in KL_ESTIMATORS,
+            "algorithm.kl_estimator",
+            self.kl_estimator,
+            f"one of {KL_ESTIMATORS}",
+        )
         if self.overlong_punishment:
             _check(
                 self.overlong_penalty_factor >= 0,

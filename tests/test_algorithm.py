@@ -23,6 +23,7 @@ from megatron_dapo.algorithm import (
     soft_overlong_punishment,
     truncated_is_weight,
 )
+from megatron_dapo.choices import KL_ESTIMATORS
 
 # ------------------------------------------------------------------ references (float64, plain Python)
 
@@ -60,10 +61,26 @@ def ref_token(lp, olp, a, eps_low, eps_high, c=None, w=1.0, clamp=20.0):
     return w * loss, w * grad
 
 
-def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode="token-mean", max_len=None):
+def ref_kl(lp, rlp, est, clamp=20.0):
+    """One token's KL estimate to the reference and its derivative in lp, written out (d = rlp - lp, clamped)."""
+    d = max(-clamp, min(clamp, rlp - lp))
+    if est == "k1":
+        k, dk = -d, 1.0
+    elif est == "k2":
+        k, dk = d * d / 2, -d
+    else:
+        k3 = math.exp(d) - 1 - d
+        k, dk = max(-10.0, min(10.0, k3)), (1 - math.exp(d) if -10 <= k3 <= 10 else 0.0)
+    return k, (0.0 if abs(rlp - lp) > clamp else dk)
+
+
+def ref_policy_loss(
+    lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode="token-mean", max_len=None, rlp=None, beta=0.0, est="k3"
+):
     """Returns (loss_sum, normalizer, dL/dlogp of loss_sum/normalizer, tol): float64, and the absolute tolerance of a
     float32 loss_sum (its terms cancel, so it is relative to the sum of their magnitudes, not to loss_sum).
-    mode: the four aggregations, as verl defines them (max_len: seq-mean-token-sum-norm's constant)."""
+    mode: the four aggregations, as verl defines them (max_len: seq-mean-token-sum-norm's constant).
+    rlp: reference logprobs: each token's loss gains beta x ref_kl (not weighted by w)."""
     b, t = len(lp), len(lp[0])
     losses = [[0.0] * t for _ in range(b)]
     grads = [[0.0] * t for _ in range(b)]
@@ -72,6 +89,10 @@ def ref_policy_loss(lp, olp, adv, mask, eps_low, eps_high, c=None, w=None, mode=
             if mask[i][j]:
                 wij = 1.0 if w is None else w[i][j]
                 losses[i][j], grads[i][j] = ref_token(lp[i][j], olp[i][j], adv[i], eps_low, eps_high, c, wij)
+                if rlp is not None:
+                    k, dk = ref_kl(lp[i][j], rlp[i][j], est)
+                    losses[i][j] += beta * k
+                    grads[i][j] += beta * dk
     tol = 1e-6 * max(1.0, sum(abs(x) for row in losses for x in row))
     lens = [sum(1 for m in row if m) for row in mask]
     if mode == "token-mean":  # every valid token of the batch weighs the same
@@ -269,6 +290,66 @@ def test_policy_loss_matches_reference(mode, dual_clip_c, seed):
     assert float(out.normalizer) == n
     assert float(out.loss_sum) == pytest.approx(total, rel=0, abs=tol)
     torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+
+
+def kl_reference_logp(logp: torch.Tensor, seed: int) -> torch.Tensor:
+    """[B, T] float64 reference logprobs near logp, some far: d = ref - logp past k3's clamp (> ~2.53) and past
+    the +-20 clamp of d, both ways."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ref = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 0.7
+    ref[0, :3] = logp[0, :3] + torch.tensor([3.0, 25.0, -25.0], dtype=torch.float64)
+    return ref
+
+
+@pytest.mark.parametrize("est", KL_ESTIMATORS)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_the_kl_loss_term_matches_float64_written_out(est, mode, seed):
+    """policy_loss with a reference: loss, divisor, gradient and the two KL statistics against ref_policy_loss with
+    the KL term written out per token, in every aggregation; the truncated-IS weight leaves the KL term alone."""
+    logp, old_logp, adv, mask = random_batch(seed, spread=1.0)
+    mask[2] = False
+    mask[0, :3] = True  # the clamped tokens count
+    ref = kl_reference_logp(logp, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    w = torch.rand(logp.shape, generator=g, dtype=torch.float64) * 2
+    beta = 0.3
+    kw = dict(eps_low=0.2, eps_high=0.28, loss_agg_mode=mode, max_response_length=50, kl_coef=beta, kl_estimator=est)
+    out, grad = run_loss(logp, old_logp, adv, mask, is_weight=w.float(), ref_logp=ref.float(), **kw)
+    lists = [x.tolist() for x in (logp, old_logp, adv, mask)]
+    total, n, ref_grad, tol = ref_policy_loss(
+        *lists, 0.2, 0.28, w=w.tolist(), mode=mode, max_len=50, rlp=ref.tolist(), beta=beta, est=est
+    )
+    assert float(out.normalizer) == n
+    assert float(out.loss_sum) == pytest.approx(total, rel=0, abs=tol + 1e-5)
+    torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    ks = [[ref_kl(a, r, est)[0] for a, r in zip(*rows)] for rows in zip(logp.tolist(), ref.tolist())]
+    kl_sum = sum(k for row, m in zip(ks, mask.tolist()) for k, v in zip(row, m) if v)
+    assert float(out.stats["kl_sum"]) == pytest.approx(kl_sum, rel=1e-5, abs=1e-5)
+    no_pg, _ = run_loss(logp, logp, torch.zeros_like(adv), mask, ref_logp=ref.float(), **kw)  # the KL term alone
+    assert float(out.stats["kl_loss_sum"]) == pytest.approx(float(no_pg.loss_sum), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("est", KL_ESTIMATORS)
+def test_kl_term_edge_cases(est, seed):
+    """The policy as its own reference: KL exactly 0, and for k2 and k3 exactly no gradient from it (k1's per-token
+    gradient is kl_coef, zero only in expectation: test_each_kl_estimator_s_expected_gradient_...). All masked: 0
+    and no NaN. One token: its written-out value. kl_coef 0 with a reference: the plain loss, bit for bit."""
+    logp, old_logp, adv, mask = random_batch(seed)
+    kw = dict(kl_coef=0.5, kl_estimator=est)
+    same, grad = run_loss(logp, old_logp, torch.zeros_like(adv), mask, ref_logp=logp.float(), **kw)
+    assert float(same.stats["kl_sum"]) == 0.0 and float(same.loss_sum) == 0.0
+    want = 0.5 / float(mask.sum()) if est == "k1" else 0.0
+    assert torch.where(mask, grad, 0.0).unique().tolist() == pytest.approx(sorted({0.0, want}), rel=1e-6)
+    none, grad = run_loss(logp, old_logp, adv, torch.zeros_like(mask), ref_logp=logp.float() - 3, **kw)
+    assert float(none.loss_sum) == 0.0 and (grad == 0).all() and float(none.stats["kl_sum"]) == 0.0
+    one = torch.zeros_like(mask)
+    one[1, 4] = True
+    single, grad = run_loss(logp, logp, torch.zeros_like(adv), one, ref_logp=logp.float() + 0.5, **kw)
+    k, dk = ref_kl(float(logp[1, 4].float()), float(logp[1, 4].float()) + 0.5, est)
+    assert float(single.loss_sum) == pytest.approx(0.5 * k, rel=1e-6) and float(grad[1, 4]) == pytest.approx(0.5 * dk)
+    plain, g0 = run_loss(logp, old_logp, adv, mask)
+    off, g1 = run_loss(logp, old_logp, adv, mask, ref_logp=logp.float() - 1, kl_coef=0.0, kl_estimator=est)
+    assert torch.equal(plain.loss_sum, off.loss_sum) and torch.equal(g0, g1)
 
 
 def test_policy_loss_stats_match_reference(seed):

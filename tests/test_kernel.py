@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from megatron_dapo.algorithm import LOSS_AGG_MODES, STAT_KEYS, loss_normalizer, policy_loss  # noqa: E402
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl  # noqa: E402
+from megatron_dapo.choices import KL_ESTIMATORS  # noqa: E402
 from megatron_dapo.kernels import fused_policy_loss, fused_runs_on  # noqa: E402
 from megatron_dapo.kernels import ratio_clip_reduce as rcr  # noqa: E402
 
@@ -461,3 +462,47 @@ def test_the_registered_losses_agree(mode, seed):
     }[mode]
     assert ref.normalizer.item() == float(want)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("est", KL_ESTIMATORS)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_kl_term_through_the_kernel_equals_the_reference(est, mode, seed):
+    """With a reference policy the kernel adds kl_coef x k per token (weighted per response in seq-mean-token-mean,
+    never by the truncated-IS weight): loss, divisor, the KL statistics and the gradient, fused into the forward pass
+    and recomputed in backward, equal the reference's; d past +-20 and k3 past its clamp included."""
+    g = torch.Generator().manual_seed(seed)
+    batch = make_batch(g, 3, 555, adv_per_token=True, with_isw=True)
+    mask = batch["mask"]
+    ref_logp = batch["old_logp"].clone() + torch.randn(mask.shape, generator=g) * 0.7
+    ref_logp[0, :3] = batch["logp"][0, :3] + torch.tensor([3.0, 25.0, -25.0])
+    ref_logp[~mask] = float("nan")  # padding must not matter
+    kw = dict(dual_clip_c=DUAL_C, is_weight=batch["is_weight"], loss_agg_mode=mode, max_response_length=600)
+    kw |= dict(ref_logp=ref_logp, kl_coef=0.3, kl_estimator=est)
+    normalizer = loss_normalizer(mask.bool().sum(1), mode, 600)
+    results = {}
+    for impl, norm in (("fused", normalizer), ("fused_separate", None), ("reference", None)):
+        logp = batch["logp"].clone().requires_grad_(True)
+        out = policy_loss_fn(impl.split("_")[0])(
+            logp, batch["old_logp"], batch["advantages"], mask, normalizer=norm, **kw
+        )
+        (out.loss_sum / normalizer).backward()
+        results[impl] = (out, logp.grad)
+    ref, ref_grad = results["reference"]
+    assert float(ref.stats["kl_sum"]) != 0.0 and float(ref.stats["kl_loss_sum"]) != 0.0
+    for impl in ("fused", "fused_separate"):
+        out, grad = results[impl]
+        torch.testing.assert_close(out.loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-5)
+        assert out.normalizer.item() == ref.normalizer.item()
+        for k in ("kl_sum", "kl_loss_sum", "approx_kl_sum", "tokens"):
+            torch.testing.assert_close(out.stats[k], ref.stats[k], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(grad).all() and (grad[~mask] == 0).all()
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_bad_kl_input_is_a_clear_error(seed):
+    batch = make_batch(torch.Generator().manual_seed(seed), 2, 40)
+    args = (batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"])
+    with pytest.raises(ValueError, match="kl_estimator='k4'"):
+        fused_policy_loss(*args, ref_logp=batch["logp"], kl_estimator="k4")
+    with pytest.raises(ValueError, match=r"ref_logp \(2, 39\) must be \[B, T\]"):
+        fused_policy_loss(*args, ref_logp=batch["logp"][:, 1:])

@@ -1,13 +1,14 @@
 """The policy-loss registry: algorithm.loss_impl -> the function that computes the loss, resolved once at start-up.
 
 Both take (logp, old_logp, advantages, mask) and the keywords eps_low, eps_high, dual_clip_c, is_weight,
-loss_agg_mode, log_ratio_clamp, max_response_length and normalizer, and return the same PolicyLoss (shapes in
-policy_loss.py), for every aggregation:
+loss_agg_mode, log_ratio_clamp, max_response_length, normalizer, ref_logp, kl_coef and kl_estimator, and return
+the same PolicyLoss (shapes in policy_loss.py), for every aggregation:
 - 'reference': policy_loss.py's PyTorch code;
 - 'fused': the Triton kernel (megatron_dapo.kernels), which sums token losses: every mode but seq-mean-token-mean
   is that sum over its own divisor, and seq-mean-token-mean weighs each token by 1 / its response's valid tokens
-  (folded into the truncated-IS weight the kernel already reads). With `normalizer` (the mini-batch's global
-  divisor) it writes the gradient in its forward pass. The reference ignores `normalizer`: the result is the same.
+  (folded into the truncated-IS weight the kernel already reads; the KL term gets it as a weight of its own).
+  With `normalizer` (the mini-batch's global divisor) it writes the gradient in its forward pass. The reference
+  ignores `normalizer`: the result is the same.
 'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU), else 'reference'.
 """
 
@@ -50,10 +51,11 @@ def _fused(
 
     tokens = mask.bool().sum(dim=1)
     normalizer = loss_normalizer(tokens, loss_agg_mode, max_response_length)
+    kl_weight = None
     if loss_agg_mode == "seq-mean-token-mean":  # sum over tokens of l / (its response's tokens)
-        per_seq = (1.0 / tokens.clamp(min=1).float())[:, None].expand(mask.shape)
+        kl_weight = per_seq = (1.0 / tokens.clamp(min=1).float())[:, None].expand(mask.shape)
         is_weight = per_seq if is_weight is None else is_weight.detach().float() * per_seq
-    out = fused_policy_loss(logp, old_logp, advantages, mask, is_weight=is_weight, **kw)
+    out = fused_policy_loss(logp, old_logp, advantages, mask, is_weight=is_weight, kl_weight=kl_weight, **kw)
     return PolicyLoss(loss_sum=out.loss_sum, normalizer=normalizer.to(out.normalizer), stats=out.stats)
 
 

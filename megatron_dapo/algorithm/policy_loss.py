@@ -5,6 +5,7 @@ Per valid token, with r = exp(logp - old_logp) and the response's advantage A:
     l = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     l = min(l, -c * A)            for A < 0, when dual clip c is set (verl's clip_ratio_c)
     l = w * l                     when truncated-IS weights w are given
+    l = l + beta * k              with a KL term to a reference policy (kl.py's estimator k, no IS weight)
 
 The functions here return *sums* and the count to divide them by, never a mean: the
 token-mean must be taken over every valid token of the whole mini-batch, across
@@ -19,12 +20,24 @@ from typing import Optional
 
 import torch
 
+from megatron_dapo.algorithm.kl import kl_estimate
 from megatron_dapo.choices import LOSS_AGG_MODES
 from megatron_dapo.config import AlgorithmConfig
 
 # The statistics policy_loss returns, as sums over valid tokens (reduce them across
-# micro-batches and ranks by summing, except ratio_max which reduces by max).
-STAT_KEYS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "ratio_max", "approx_kl_sum")
+# micro-batches and ranks by summing, except ratio_max which reduces by max). kl_sum: the
+# reference KL estimate k summed over tokens; kl_loss_sum: the KL term's part of loss_sum.
+STAT_KEYS = (
+    "tokens",
+    "clip_low",
+    "clip_high",
+    "clip_dual",
+    "ratio_sum",
+    "ratio_max",
+    "approx_kl_sum",
+    "kl_sum",
+    "kl_loss_sum",
+)
 
 
 @dataclass
@@ -112,6 +125,9 @@ def policy_loss(
     loss_agg_mode: str = AlgorithmConfig.loss_agg_mode,
     log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
     max_response_length: Optional[int] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    kl_coef: float = AlgorithmConfig.kl_coef,
+    kl_estimator: str = AlgorithmConfig.kl_estimator,
 ) -> PolicyLoss:
     """The DAPO loss of one micro-batch, as a sum plus its normaliser (one row per response).
 
@@ -121,6 +137,8 @@ def policy_loss(
     mask:       [B, T] bool/0-1, True on valid response tokens
     is_weight:  [B, T] optional truncated-IS weights (see truncated_is_weight), not differentiated
     max_response_length: seq-mean-token-sum-norm's constant (rollout.max_response_length)
+    ref_logp:   [B, T] optional reference-policy logprobs: adds kl_coef x kl_estimate(logp, ref_logp, kl_estimator)
+                to every token's loss (aggregated as the policy loss is; not IS-weighted)
     The mini-batch loss is sum(loss_sum) / sum(normalizer) over its micro-batches and ranks.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
@@ -143,13 +161,22 @@ def policy_loss(
     loss, flags = token_policy_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip_c, log_ratio_clamp)
     if is_weight is not None:
         loss = loss * torch.where(mask, is_weight.detach().float(), zero)
+    kl = torch.zeros_like(loss)
+    if ref_logp is not None:
+        if ref_logp.shape != logp.shape:
+            raise ValueError(f"policy_loss: ref_logp {tuple(ref_logp.shape)} must match logp {tuple(logp.shape)}")
+        kl = torch.where(mask, kl_estimate(logp, torch.where(mask, ref_logp.float(), zero), kl_estimator), zero)
+        loss = loss + kl_coef * kl
     loss = torch.where(mask, loss, zero)
 
     tokens_per_seq = mask.sum(dim=1)
-    if loss_agg_mode == "seq-mean-token-mean":  # each response weighs the same, whatever its length
-        loss_sum = (loss.sum(dim=1) / tokens_per_seq.clamp(min=1)).sum()
-    else:  # the token sum: over tokens (token-mean), responses (seq-mean-token-sum) or a constant (-norm)
-        loss_sum = loss.sum()
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+        if loss_agg_mode == "seq-mean-token-mean":  # each response weighs the same, whatever its length
+            return (per_token.sum(dim=1) / tokens_per_seq.clamp(min=1)).sum()
+        return per_token.sum()  # over tokens (token-mean), responses (seq-mean-token-sum) or a constant (-norm)
+
+    loss_sum = aggregate(loss)
     normalizer = loss_normalizer(tokens_per_seq, loss_agg_mode, max_response_length)
 
     ratio = flags["ratio"]
@@ -163,6 +190,8 @@ def policy_loss(
         "ratio_max": torch.where(mask, ratio, zero).max() if mask.any() else zero.clone(),
         # k3 estimator of KL(pi_old || pi): (r - 1) - log r, >= 0 and low-variance
         "approx_kl_sum": torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum(),
+        "kl_sum": kl.detach().sum(),
+        "kl_loss_sum": kl_coef * aggregate(kl.detach()),
     }
     return PolicyLoss(loss_sum=loss_sum, normalizer=normalizer, stats=stats)
 

@@ -15,6 +15,7 @@ from megatron_dapo.kernels.ratio_clip_reduce import (
     GPU_BLOCK,
     GPU_NUM_WARPS,
     INTERPRET_BLOCK,
+    KL_ESTIMATOR_IDS,
     NUM_ROWS,
     NUM_STATS,
     REDUCE_BLOCK,
@@ -34,6 +35,8 @@ class _Params:
     hi: float
     dual_c: Optional[float]
     lr_clamp: float
+    kl_coef: float
+    kl_est: int  # 0: no KL term, else KL_ESTIMATOR_IDS
     seq_len: int
     adv_per_token: bool
     block: int
@@ -57,7 +60,8 @@ def _flatten_inputs(
     """Validate [B, T] inputs and flatten them to contiguous [N] (views when already contiguous).
 
     Returns (logp [N], old_logp [N], advantages [B] or [N], mask [N] uint8, is_weight [N] | None,
-    adv_per_token). logp stays differentiable through reshape/contiguous.
+    adv_per_token). logp stays differentiable through reshape/contiguous (_flat_constant flattens the KL
+    term's inputs).
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
         raise ValueError(
@@ -86,6 +90,17 @@ def _flatten_inputs(
     return logp.contiguous().reshape(-1), old_logp.detach().contiguous().reshape(-1), adv, mask_u8, isw, per_token
 
 
+def _flat_constant(x: Optional[torch.Tensor], logp: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+    """A [B, T] constant input (ref_logp, the KL weight) as a detached contiguous [N], or None."""
+    if x is None:
+        return None
+    if x.device != logp.device:
+        raise ValueError(f"fused_policy_loss: {what} must be on logp's device {logp.device}")
+    if x.dim() != 2 or x.shape[0] != logp.shape[0] or x.shape[1] not in (1, logp.shape[1]):
+        raise ValueError(f"fused_policy_loss: {what} {tuple(x.shape)} must be [B, T] like logp {tuple(logp.shape)}")
+    return x.detach().expand(logp.shape).contiguous().reshape(-1)
+
+
 def _compute_dtype(logp: torch.Tensor) -> torch.dtype:
     return torch.float64 if logp.dtype == torch.float64 else torch.float32
 
@@ -96,13 +111,15 @@ def _launch(
     adv: torch.Tensor,
     mask: torch.Tensor,
     isw: Optional[torch.Tensor],
+    ref: Optional[torch.Tensor],
+    klw: Optional[torch.Tensor],
     p: _Params,
     scale: Optional[torch.Tensor],
     write_stats: bool,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the token kernel (and the finalize kernel when write_stats).
 
-    All tensors flat [N] ([B] per-response advantages). scale: [] gradient factor, or None for
+    All tensors flat [N] ([B] per-response advantages); ref (reference logprobs) is read when p.kl_est. scale: [] gradient factor, or None for
     no gradient. Returns (loss [] compute dtype | None, stats [NUM_STATS] fp32 | None, grad [N] | None).
     """
     kernel, finalize = _kernels()
@@ -118,6 +135,8 @@ def _launch(
         adv,
         mask,
         isw if isw is not None else logp,  # placeholders are never dereferenced (constexpr-off)
+        ref if ref is not None else logp,
+        klw if klw is not None else logp,
         scale if write_grad else logp,
         grad if write_grad else logp,
         part if write_stats else logp,
@@ -129,10 +148,13 @@ def _launch(
         p.hi,
         p.dual_c if p.dual_c is not None else 0.0,
         p.lr_clamp,
+        p.kl_coef,
         CDT=rcr.tl.float64 if cdt == torch.float64 else rcr.tl.float32,
         ADV_PER_TOKEN=p.adv_per_token,
         HAS_ISW=isw is not None,
         HAS_DUAL=p.dual_c is not None,
+        KL_EST=p.kl_est,
+        HAS_KLW=klw is not None,
         WRITE_STATS=write_stats,
         WRITE_GRAD=write_grad,
         GRAD_BF16=logp.dtype == torch.bfloat16,
@@ -158,14 +180,16 @@ class _FusedPolicyLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logp, old_logp, adv, mask, isw, scale, p: _Params):
+    def forward(ctx, logp, old_logp, adv, mask, isw, ref, klw, scale, p: _Params):
         fuse = scale is not None and ctx.needs_input_grad[0]
-        loss, stats, grad = _launch(logp, old_logp, adv, mask, isw, p, scale if fuse else None, write_stats=True)
+        loss, stats, grad = _launch(
+            logp, old_logp, adv, mask, isw, ref, klw, p, scale if fuse else None, write_stats=True
+        )
         ctx.p, ctx.fused = p, fuse
         if fuse:
             ctx.save_for_backward(grad, scale)
         else:
-            ctx.save_for_backward(logp, old_logp, adv, mask, isw)
+            ctx.save_for_backward(logp, old_logp, adv, mask, isw, ref, klw)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
@@ -177,10 +201,10 @@ class _FusedPolicyLoss(torch.autograd.Function):
             # saved = g / n; grad_loss is 1/n when the caller takes the token-mean: factor exactly 1
             grad_logp = grad * (grad_loss.to(scale.dtype) / scale)
         else:
-            logp, old_logp, adv, mask, isw = ctx.saved_tensors
+            logp, old_logp, adv, mask, isw, ref, klw = ctx.saved_tensors
             go = grad_loss.to(_compute_dtype(logp)).contiguous()
-            _, _, grad_logp = _launch(logp, old_logp, adv, mask, isw, ctx.p, go, write_stats=False)
-        return grad_logp, None, None, None, None, None, None
+            _, _, grad_logp = _launch(logp, old_logp, adv, mask, isw, ref, klw, ctx.p, go, write_stats=False)
+        return grad_logp, None, None, None, None, None, None, None, None
 
 
 def _grad_scale(normalizer: Union[float, torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
@@ -207,6 +231,10 @@ def fused_policy_loss(
     is_weight: Optional[torch.Tensor] = None,
     log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
     normalizer: Optional[Union[float, torch.Tensor]] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    kl_coef: float = AlgorithmConfig.kl_coef,
+    kl_estimator: str = AlgorithmConfig.kl_estimator,
+    kl_weight: Optional[torch.Tensor] = None,
     *,
     block: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -220,6 +248,8 @@ def fused_policy_loss(
     is_weight:  [B, T] optional truncated-IS weights, constant
     normalizer: the mini-batch's global valid-token count (float or [] tensor): fuses the
                 gradient into the forward pass. Loss, stats and gradient are the same without it.
+    ref_logp:   [B, T] optional reference logprobs, constant: adds kl_coef x k (kl_estimator) per token
+    kl_weight:  [B, T] optional per-token weight of the KL term alone (not is_weight's truncated IS)
     block, num_warps: launch configuration (defaults: 4096 / 8 on GPU, 131072 in the interpreter).
     Returns PolicyLoss(loss_sum [] float32 (float64 for float64 logp), normalizer [] float32,
     stats STAT_KEYS -> [] float32).
@@ -231,17 +261,23 @@ def fused_policy_loss(
         )
     block = _check_block(block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK))
     logp_f, old_f, adv_f, mask_f, isw_f, per_token = _flatten_inputs(logp, old_logp, advantages, mask, is_weight, block)
+    if ref_logp is not None and kl_estimator not in KL_ESTIMATOR_IDS:
+        raise ValueError(f"fused_policy_loss: kl_estimator={kl_estimator!r}, expected one of {tuple(KL_ESTIMATOR_IDS)}")
+    ref_f = _flat_constant(ref_logp, logp, "ref_logp")
+    klw_f = _flat_constant(kl_weight, logp, "kl_weight") if ref_f is not None else None
     p = _Params(
         lo=1.0 - eps_low,
         hi=1.0 + eps_high,
         dual_c=None if dual_clip_c is None else float(dual_clip_c),
         lr_clamp=float(log_ratio_clamp),
+        kl_coef=float(kl_coef),
+        kl_est=0 if ref_f is None else KL_ESTIMATOR_IDS[kl_estimator],
         seq_len=max(1, logp.shape[1]),
         adv_per_token=per_token,
         block=block,
         num_warps=num_warps or GPU_NUM_WARPS,
     )
     scale = None if normalizer is None else _grad_scale(normalizer, logp)
-    loss_sum, stats = _FusedPolicyLoss.apply(logp_f, old_f, adv_f, mask_f, isw_f, scale, p)
+    loss_sum, stats = _FusedPolicyLoss.apply(logp_f, old_f, adv_f, mask_f, isw_f, ref_f, klw_f, scale, p)
     parts = stats.unbind(0)
     return PolicyLoss(loss_sum=loss_sum, normalizer=parts[-1], stats=dict(zip(STAT_KEYS, parts[:-1])))

@@ -7,9 +7,12 @@ One Triton pass over the flattened tokens (N = B*T) computes, per valid token, e
     r = exp(log_ratio)
     l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high));  l = min(l, -c A) for A < 0 (dual clip)
     l = w * l                                               (truncated-IS weight, optional)
+    l = l + beta * v * k                                    (KL to a reference, optional: k = kl.py's
+                                                             k1/k2/k3 of d = ref_logp - logp, v a per-token
+                                                             weight for seq-mean-token-mean, else 1)
 
 and writes one row of block partials (loss sum, valid tokens, clip_low/high/dual counts, ratio
-sum, ratio max, k3 approx-KL sum). A second one-program-per-statistic kernel folds the partials
+sum, ratio max, k3 approx-KL sum, reference KL sum, the KL term's loss sum). A second one-program-per-statistic kernel folds the partials
 in float64 in a fixed order: no atomics, so the results are bit-identical run to run.
 
 Gradient, two ways:
@@ -68,8 +71,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 __all__ = ["fused_runs_on", "interpreter_enabled"]
 
 # Rows of the [NUM_ROWS, n_blocks] float64 partials (the kernels use these numbers): 0 loss,
-# 1 valid tokens, 2 clip_low, 3 clip_high, 4 clip_dual, 5 ratio sum, 6 ratio max, 7 k3 KL sum.
-NUM_ROWS = 8
+# 1 valid tokens, 2 clip_low, 3 clip_high, 4 clip_dual, 5 ratio sum, 6 ratio max, 7 k3 KL sum,
+# 8 reference KL sum, 9 the KL term's loss sum.
+NUM_ROWS = 10
 # The float32 stats vector the finalize kernel writes: STAT_KEYS in order, then the normaliser.
 NUM_STATS = len(STAT_KEYS) + 1
 
@@ -80,6 +84,8 @@ GPU_BLOCK, GPU_NUM_WARPS = 4096, 8  # 16 tokens per thread, 8 partials rows per 
 SKIP_PADDING_LOADS = True
 INTERPRET_BLOCK = 131072  # the interpreter runs programs serially: few, wide ones are fast
 REDUCE_BLOCK, REDUCE_NUM_WARPS = 1024, 4
+KL_CLAMP, K3_CLAMP = 20.0, 10.0  # algorithm/kl.py's clamps of d and of k3
+KL_ESTIMATOR_IDS = {"k1": 1, "k2": 2, "k3": 3}  # the kernel's KL_EST
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -93,6 +99,8 @@ def _policy_loss_kernel(
     adv_ptr,  # [N] per token, or [B] per response
     mask_ptr,  # [N] uint8 (0/1)
     isw_ptr,  # [N] any float (ignored unless HAS_ISW)
+    ref_ptr,  # [N] any float, reference logprobs (ignored unless KL_EST)
+    klw_ptr,  # [N] any float, the KL term's per-token weight (ignored unless HAS_KLW)
     scale_ptr,  # [] factor for the gradient (ignored unless WRITE_GRAD)
     grad_ptr,  # [N] logp's dtype, out (ignored unless WRITE_GRAD)
     part_ptr,  # [NUM_ROWS, n_blocks] fp64, out (ignored unless WRITE_STATS)
@@ -104,10 +112,13 @@ def _policy_loss_kernel(
     hi,  # 1 + eps_high
     dual_c,
     lr_clamp,
+    kl_coef,
     CDT: tl.constexpr,  # compute dtype: fp32, or fp64 for fp64 logp
     ADV_PER_TOKEN: tl.constexpr,
     HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr,
+    KL_EST: tl.constexpr,  # 0: no KL term; 1, 2, 3: k1, k2, k3
+    HAS_KLW: tl.constexpr,
     WRITE_STATS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     GRAD_BF16: tl.constexpr,  # gradient stored as bfloat16
@@ -182,6 +193,34 @@ def _policy_loss_kernel(
     if HAS_ISW:
         w = tl.where(valid, tl.load(isw_ptr + offs, mask=ld, other=0.0).to(CDT), 0.0)
         loss = loss * w
+    if KL_EST != 0:
+        ref = tl.where(valid, tl.load(ref_ptr + offs, mask=ld, other=0.0).to(CDT), 0.0)
+        draw = ref - logp
+        d = tl.minimum(tl.maximum(draw, -20.0), 20.0)  # KL_CLAMP
+        if KL_EST == 1:
+            kv = -d
+            dk = tl.full(d.shape, 1.0, CDT)  # d k / d logp
+        elif KL_EST == 2:
+            kv = 0.5 * d * d
+            dk = -d
+        else:
+            if RANGE_REDUCE_EXP:  # as for r above
+                kd = tl.floor(d * 1.4426950408889634 + 0.5)
+                fd = (d - kd * 0.693145751953125) - kd * 1.428606765330187e-06
+                ed = ((kd.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True) * tl.exp(fd)
+            else:
+                ed = tl.exp(d)
+            k3 = (ed - 1.0) - d
+            kv = tl.minimum(tl.maximum(k3, -10.0), 10.0)  # K3_CLAMP
+            dk = tl.where((k3 >= -10.0) & (k3 <= 10.0), 1.0 - ed, 0.0)
+        dk = tl.where(valid & (draw >= -20.0) & (draw <= 20.0), dk, 0.0)
+        kv = tl.where(valid, kv, 0.0)
+        if HAS_KLW:
+            klw = tl.where(valid, tl.load(klw_ptr + offs, mask=ld, other=0.0).to(CDT), 0.0)
+            kl_term = kl_coef * (klw * kv)
+        else:
+            kl_term = kl_coef * kv
+        loss = loss + kl_term
     loss = tl.where(valid, loss, 0.0)
 
     if WRITE_GRAD:
@@ -191,6 +230,11 @@ def _policy_loss_kernel(
         g = g * coef * neg_adv * r  # d/dlogp = d/dr * r
         keep = valid & (raw >= -lr_clamp) & (raw <= lr_clamp)  # clamp passes its bounds
         g = tl.where(keep, g, 0.0)
+        if KL_EST != 0:
+            gk = tl.load(scale_ptr).to(CDT) * kl_coef * dk
+            if HAS_KLW:
+                gk = gk * klw
+            g = g + gk
         if GRAD_BF16:
             # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
             bits = g.to(tl.uint32, bitcast=True)
@@ -217,6 +261,12 @@ def _policy_loss_kernel(
         tl.store(row + 5 * n_blocks, tl.sum(ratio, axis=0).to(tl.float64))
         tl.store(row + 6 * n_blocks, tl.max(ratio, axis=0).to(tl.float64))
         tl.store(row + 7 * n_blocks, tl.sum(kl, axis=0).to(tl.float64))
+        if KL_EST != 0:
+            tl.store(row + 8 * n_blocks, tl.sum(kv, axis=0).to(tl.float64))
+            tl.store(row + 9 * n_blocks, tl.sum(kl_term, axis=0).to(tl.float64))
+        else:
+            tl.store(row + 8 * n_blocks, 0.0)
+            tl.store(row + 9 * n_blocks, 0.0)
 
 
 def _finalize_kernel(
@@ -238,7 +288,7 @@ def _finalize_kernel(
     total = tl.where(row == 6, tl.max(acc_max, axis=0), tl.sum(acc_sum, axis=0))  # 6: ROW_RATIO_MAX
     tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty), mask=row == 0)
     tl.store(stats_ptr + row - 1, total.to(tl.float32), mask=row > 0)
-    tl.store(stats_ptr + 7, total.to(tl.float32), mask=row == 1)  # normaliser = valid tokens
+    tl.store(stats_ptr + 9, total.to(tl.float32), mask=row == 1)  # normaliser (NUM_STATS - 1) = valid tokens
 
 
 _JITTED: dict[bool, tuple] = {}
