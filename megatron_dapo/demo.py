@@ -13,6 +13,7 @@ informative fraction per step.
 
     python -m megatron_dapo.demo --out runs/demo
     python -m megatron_dapo.demo --out runs/demo-smollm2 --smollm2
+    python -m megatron_dapo.demo --out runs/demo-grpo --algorithm-from examples/grpo_kl_ablation.yaml
 
 Settings: examples/tiny_cpu.yaml (16 informative prompts x 8 responses per step, rollouts at
 temperature 1.2, lr 4e-4, 2 updates per step). Tuning notes, held-out greedy accuracy on 2 cores
@@ -39,6 +40,27 @@ from megatron_dapo.cli import argument_parser
 
 MAX_OPERAND = 30
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"  # the demo's DAPO settings
+# what --algorithm-from leaves to the demo: sizes and lengths fitted to its 12-token answers and its batch
+DEMO_ALGORITHM_KEYS = ("group_size", "overlong_buffer_len", "overlong_soft_max")
+
+
+def algorithm_overrides(path: Path) -> list[str]:
+    """`algorithm.KEY=VALUE` for every key of the config file's algorithm section but DEMO_ALGORITHM_KEYS (an
+    example's objective on the demo's model). Raises ValueError naming the file when it has no such section."""
+    import yaml
+
+    try:
+        section = (yaml.safe_load(path.read_text()) or {}).get("algorithm")
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise ValueError(f"{path}: cannot read it as a YAML config ({e})") from None
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: expected an `algorithm:` section (a mapping) to take the objective from")
+    text = {True: "true", False: "false", None: "null"}
+    return [
+        f"algorithm.{k}={text.get(v, v) if isinstance(v, (bool, type(None))) else v}"
+        for k, v in section.items()
+        if k not in DEMO_ALGORITHM_KEYS
+    ]
 
 
 def split_problems(held_out: int = 200, seed: int = 0) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -244,12 +266,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--warm-steps", type=int, default=220, help="supervised warm-start steps (220: ~25%% held-out)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the warm start and the DAPO run (config `seed`)")
+    ap.add_argument(
+        "--algorithm-from",
+        type=Path,
+        help="take the objective from this config's algorithm section (an example's), but group_size and the "
+        "overlong lengths, which stay the demo's; overrides still come last",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for the DAPO run")
     args = ap.parse_args(argv)
     if args.eval_every < 0:
         ap.error(f"--eval-every {args.eval_every}: expected an integer >= 0 (0: before and after only)")
     if args.warm_steps < 1:
         ap.error(f"--warm-steps {args.warm_steps}: expected an integer >= 1")
+    try:
+        objective = algorithm_overrides(args.algorithm_from) if args.algorithm_from else []
+    except ValueError as e:
+        ap.error(f"--algorithm-from: {e}")
     # vLLM logs three lines per weight reload (every step here); the demo's own lines are the story
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # and the libraries' own notices (no Apex, deprecations) are not what a demo reader is after
@@ -292,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
             f"trainer.run_dir={out / 'run'}",
             f"trainer.total_steps={args.steps}",
             f"seed={args.seed}",
+            *objective,
             *(SMOLLM2_OVERRIDES if args.smollm2 else []),
             *args.overrides,
         ],

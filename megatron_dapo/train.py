@@ -154,6 +154,8 @@ def progress_line(m: dict[str, Any]) -> str:
         rollout += f" | kl {m['rollout/kl']:.1e} capped {m['rollout/tis_capped_frac']:.2%}"
     if m.get("staleness/max"):  # partial rollout: some trained tokens were sampled versions ago
         rollout += f" | stale max {int(m['staleness/max'])} p99 {int(m['staleness/p99'])}"
+    if "actor/kl" in m:  # KL to the reference policy (algorithm.kl_coef > 0)
+        rollout += f" | ref kl {m['actor/kl']:.2e}"
     evaluation = ""
     if "eval/avg_at_k" in m:
         k = int(m["eval/k"])
@@ -162,7 +164,9 @@ def progress_line(m: dict[str, Any]) -> str:
         f"step {int(m['step'])} | {rollout} | "
         f"clip lo/hi {m.get('actor/clip_frac_low', 0):.3f}/{m.get('actor/clip_frac_high', 0):.3f} "
         f"entropy {m.get('actor/entropy', 0):.3f} | {m['perf/tokens_per_s']:.0f} tok/s | "
-        f"gen {m['timing/generate']:.1f}s old {m['timing/old_logp']:.1f}s train {m['timing/train']:.1f}s "
+        f"gen {m['timing/generate']:.1f}s old {m['timing/old_logp']:.1f}s "
+        + (f"ref {m['timing/ref_logp']:.1f}s " if "timing/ref_logp" in m else "")
+        + f"train {m['timing/train']:.1f}s "
         f"sync {m['timing/sync']:.1f}s{evaluation}"
     )
 

@@ -3,7 +3,7 @@
 One rollout step: the dynamic-sampling loader collects `sampler.train_batch_size` informative
 groups of `algorithm.group_size` responses from the colocated vLLM engines; each group's shaped
 rewards become advantages; the policy recomputes the sampling policy's logprobs (old_logp)
-once, then takes one optimizer step per mini-batch of `optim.mini_batch_size` responses (16
+once (and, with algorithm.kl_coef > 0, the frozen reference policy its own), then takes one optimizer step per mini-batch of `optim.mini_batch_size` responses (16
 with the paper's sizes); the bridge then streams the new weights into the engines. Rollout
 steps, optimizer steps and generation rounds are counted apart; the LR schedule follows
 optimizer steps.
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_dapo.algorithm import (
     MISMATCH_KEYS,
     group_advantages,
+    kl_estimate,
     mismatch_metrics,
     overlong_filter_mask,
     rollout_mismatch_sums,
@@ -118,6 +119,7 @@ class Trainer:
         from megatron_dapo.model.arch import ModelArch
         from megatron_dapo.model.parallel import init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
+        from megatron_dapo.model.provider import weights_digest
         from megatron_dapo.reward import RewardPool
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
         from megatron_dapo.rollout.vllm_env import rollout_tp
@@ -134,7 +136,12 @@ class Trainer:
         self.num_engines = self.layout.world_size // self.rollout_tp
         self.engine_id = self.layout.rank // self.rollout_tp  # vLLM groups consecutive ranks into an engine
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
-        self.policy = MegatronPolicy(cfg, self.arch, self.layout, LazyMegatronWeights(SafetensorsReader(hf), self.arch))
+        weights = LazyMegatronWeights(SafetensorsReader(hf), self.arch)
+        self.policy = MegatronPolicy(cfg, self.arch, self.layout, weights)
+        self.reference = self.reference_digest = None
+        if cfg.algorithm.kl_coef > 0:  # KL's reference: the starting weights, frozen, sharded like the policy
+            self.reference = MegatronPolicy(cfg, self.arch, self.layout, weights, frozen=True)
+            self.reference_digest = weights_digest(weights, self.layout)  # checked when a checkpoint is resumed
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
@@ -192,8 +199,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _samples(self, batch) -> tuple[list[list[TrainSample]], float]:
-        """This rank's TrainSamples per mini-batch, its responses fetched from their engines' ranks; bytes sent."""
+    def _samples(self, batch) -> tuple[list[list[TrainSample]], list[SampleId], float]:
+        """This rank's TrainSamples per mini-batch, its responses fetched from their engines' ranks; their ids in
+        the same order, flat; bytes sent."""
         size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
         per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
         mine = per_dp[self.layout.dp_rank]
@@ -213,7 +221,7 @@ class Trainer:
             train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter, a.adv_norm)
             for ids in mine
         ]
-        return slices, self.comm.sum([sent])[0]
+        return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
 
     def _sync(self, version: int, evaluate: bool = False) -> dict[str, float]:
         """The policy's weights (version: rollout steps they have trained) into the engines: this process's
@@ -235,6 +243,32 @@ class Trainer:
         dist.all_reduce(total)
         return mismatch_metrics(total.cpu(), cap)
 
+    def _kl_in_reward(self, groups: list[GroupMeta], ids: list[SampleId], samples: list[TrainSample]) -> dict:
+        """algorithm.kl_in_reward: each response's reward becomes R - kl_coef x (sum of k over its tokens, from the
+        old and reference logprobs), and every sample's advantage is taken again from those rewards. The sums
+        meet on every rank (each response counted once: its data-parallel rank's first TP and CP rank on the last
+        stage). Returns actor/kl (k per token) and actor/reward_kl_penalty (per response)."""
+        a = self.cfg.algorithm
+        size = len(groups[0].lengths) if groups else 0  # responses per group (train_samples' layout too)
+        row = {g.key: i for i, g in enumerate(groups)}
+        sums = torch.zeros(len(groups) * size + 1, dtype=torch.float64)  # per response, then the tokens
+        if self.policy.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0:
+            for (key, j), s in zip(ids, samples):
+                k = kl_estimate(s.old_logp.double(), s.ref_logp.double(), a.kl_estimator)
+                sums[row[key] * size + j], sums[-1] = k.sum(), sums[-1] + k.numel()
+        sums = sums.to(self.layout.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        penalty = (a.kl_coef * sums[:-1]).reshape(len(groups), size)
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64) - penalty
+        advantages = group_advantages(rewards, eps=a.adv_eps, norm=a.adv_norm)
+        for (key, j), s in zip(ids, samples):
+            s.advantage = float(advantages[row[key], j])
+        return {
+            "actor/kl": float(sums[:-1].sum() / sums[-1].clamp(min=1)),
+            "actor/reward_kl_penalty": float(penalty.mean()),
+        }
+
     def train_step(self) -> dict[str, float]:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
         cfg, timer = self.cfg, PhaseTimer()
@@ -243,7 +277,7 @@ class Trainer:
             if self.engine is not None:
                 self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
             self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
-        mini_batches, bytes_moved = self._samples(batch)
+        mini_batches, ids, bytes_moved = self._samples(batch)
         temperature = cfg.rollout.temperature
         with timer.phase("old_logp"):
             mine = [s for mb in mini_batches for s in mb]
@@ -255,6 +289,14 @@ class Trainer:
                     if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
                         pairs.append((lp["logp"], s.rollout_logp))
             mismatch = self._mismatch(pairs)
+        kl = {}
+        if self.reference is not None:
+            with timer.phase("ref_logp"):
+                ref = self.reference.compute_logprobs(mine, temperature)
+                for s, lp in zip(mine, ref or []):
+                    s.ref_logp = lp["logp"]
+                if cfg.algorithm.kl_in_reward:
+                    kl = self._kl_in_reward(batch.groups, ids, mine)
         with timer.phase("train"):
             per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
             skipped = sum(1 for m in per_update if not m["actor/update_applied"])
@@ -274,6 +316,7 @@ class Trainer:
         metrics.update(_mean_metrics(per_update))
         metrics.update(sync)
         metrics.update(mismatch)
+        metrics.update(kl)
         tokens = sum(g.tokens for g in batch.groups)
         elapsed = timer.elapsed()
         metrics.update(
@@ -323,9 +366,21 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds beside the model and optimizer (the step is the checkpoint's own)."""
-        return {"gen_rounds": self.gen_rounds, "nan_in_a_row": self.nan_in_a_row, "loader": self.loader.state_dict()}
+        return {
+            "gen_rounds": self.gen_rounds,
+            "nan_in_a_row": self.nan_in_a_row,
+            "loader": self.loader.state_dict(),
+            "reference_digest": self.reference_digest,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("reference_digest")
+        if self.reference_digest is not None and saved is not None and saved != self.reference_digest:
+            raise ConfigError(
+                f"{self.checkpoints.root}: the run trained with KL to reference weights {saved[:12]} (model.hf_path "
+                f"when it started), but model.hf_path={self.cfg.model.hf_path} holds {self.reference_digest[:12]}: "
+                "resume with the model the run started from, or start a new run in another trainer.run_dir"
+            )
         self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
         self.loader.load_state_dict(state["loader"])
 

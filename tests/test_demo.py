@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +14,12 @@ import pytest
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_writes_its_results(tmp_path):
     out = tmp_path / "demo"
-    # a warm start of 60 supervised steps, then 2 DAPO steps; the cap is off so a still-weak
+    # a warm start of 60 supervised steps, then 2 DAPO steps with the GRPO-with-KL example's objective (a reference
+    # policy, seq-mean-token-mean, symmetric clip, every group trained); the cap is off so a still-weak
     # policy cannot end the run early
-    args = ["--out", str(out), "--steps", "2", "--eval-every", "1", "--warm-steps", "60", "sampler.max_gen_batches=0"]
+    grpo = str(Path(__file__).resolve().parent.parent / "examples" / "grpo_kl_ablation.yaml")
+    args = ["--out", str(out), "--steps", "2", "--eval-every", "1", "--warm-steps", "60", "--algorithm-from", grpo]
+    args.append("sampler.max_gen_batches=0")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_dapo.demo", *args], env=env, capture_output=True, text=True, timeout=900
@@ -28,6 +32,11 @@ def test_demo_runs_end_to_end_and_writes_its_results(tmp_path):
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1.0, 2.0]
+    # beta 0.001 x k, meant per response then over responses (the token mean's exact divisor: tests/test_algorithm.py)
+    assert (
+        lines[0]["actor/kl_loss"] == pytest.approx(0.001 * lines[0]["actor/kl"], rel=0.2) and lines[1]["actor/kl"] > 0
+    )
+    assert sum(m["sampler/all_wrong"] for m in lines) > 0  # uninformative groups are trained too (no dynamic sampling)
     assert [m["eval/held_out_greedy_acc"] for m in lines] == [acc for _, acc in summary["evals"][1:]]
     assert any((out / "run" / "tensorboard").iterdir())
     assert "held-out accuracy before DAPO" in proc.stdout and "-> after" in proc.stdout

@@ -128,6 +128,7 @@ def test_the_examples_are_these():
             "dapo_math_qwen2.5_7b.yaml",
             "dapo_math_qwen2.5_32b.yaml",
             "seed_notes_qwen2.5_7b.yaml",
+            "grpo_kl_ablation.yaml",
         ]
     )
 

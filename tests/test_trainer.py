@@ -145,7 +145,8 @@ def _wandb_env(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory, tiny_qwen2):
-    """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2.
+    """A 2-step run in one process: the tiny model, 64 addition problems, evaluation on 5 more after step 2, KL to
+    the starting weights in the reward (k1, GRPO-with-KL as PPO puts it; the loss term is `uninterrupted`'s).
 
     Logs to Weights & Biases too, offline (wandb's files under the run directory and the fixture's folder).
     Returns its overrides (without trainer.run_dir or the W&B project), its run directory and the finished process.
@@ -163,6 +164,9 @@ def two_steps(tmp_path_factory, tiny_qwen2):
         "algorithm.overlong_buffer_len=8",
         "algorithm.group_size=4",
         "algorithm.dynamic_sampling=false",  # a random model is never right: no group would be informative
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_estimator=k1",
+        "algorithm.kl_in_reward=true",
         "sampler.train_batch_size=4",
         "sampler.gen_batch_size=4",
         "optim.mini_batch_size=8",
@@ -243,6 +247,13 @@ def test_two_rollout_steps_end_to_end(two_steps):
         assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3  # vLLM and Megatron agree
         assert 0 <= m["rollout/kl"] < 1e-6 and "rollout/tis_capped_frac" not in m  # truncated IS is off
     assert lines[1]["trainer/optimizer_steps"] == 4
+    # KL in the reward: step 1 samples from the reference itself (exactly 0), step 2 from weights trained twice
+    assert lines[0]["actor/kl"] == 0.0 and lines[0]["actor/reward_kl_penalty"] == 0.0
+    assert lines[1]["actor/kl"] != 0.0 and lines[1]["actor/reward_kl_penalty"] == pytest.approx(
+        0.05 * lines[1]["actor/kl"] * lines[1]["tokens/trained"] / 16, rel=1e-6
+    )  # per response: kl_coef x the k summed over its tokens, 16 responses
+    assert "actor/kl_loss" not in lines[1] and lines[1]["timing/ref_logp"] > 0
+    assert f"ref kl {lines[1]['actor/kl']:.2e}" in proc.stdout
     assert "step 2 | reward" in proc.stdout
     # evaluation after step 2 only (eval.every=2): 5 problems x 3 samples; a random model is never right
     assert "eval/avg_at_k" not in lines[0]
@@ -389,7 +400,8 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
     Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random);
     partial rollout pauses groups across the weight sync and carries the informative groups found beyond a batch;
     prompt memory (12 prompts: each comes up every other step) records every group and skips prompts; held-out
-    evaluation every 2 steps (in the asynchronous runs below, the rollout side's).
+    evaluation every 2 steps (in the asynchronous runs below, the rollout side's); KL to the starting weights as a
+    loss term (k3, verl's low_var_kl), so a resume needs the reference too.
     """
     root = tmp_path_factory.mktemp("uninterrupted")
     rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
@@ -409,6 +421,7 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
         "trainer.tensorboard=false",
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
+        "algorithm.kl_coef=0.1",
         "sampler.engine_sequences=40",
         "sampler.skip=true",
         "sampler.skip_adapt=1.0",  # the exploration probability drops to its floor after one step
@@ -427,7 +440,7 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
+def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, tiny_qwen2):
     """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
     part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's), asynchronous DAPO at
     eta = 0 taking the colocated run's steps, and a kill -9 in the middle of a weight update:
@@ -458,12 +471,22 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
     assert metrics(cut)[-1]["weight_transport/buckets"] >= 3  # so bucket 1 was the middle of an update
 
+    # a resume whose model.hf_path (the KL reference) is not the weights the run started from: refused
+    other = [*cmd, f"trainer.run_dir={cut}", f"model.hf_path={tiny_qwen2()}"]  # the model before _ends_early
+    refused = subprocess.run(other, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith(
+        f"error: {ckpt}: the run trained with KL to reference weights "
+    ), refused.stderr[-3000:]
+    assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
+
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from step 2" in resumed.stderr
     got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
     assert got == want
+    # the loss term, token-mean: kl_coef x the mean k over the loss's tokens; k3 >= 0, and > 0 once an update moved
+    assert all(m["actor/kl"] > 0 and m["actor/kl_loss"] == pytest.approx(0.1 * m["actor/kl"], rel=1e-6) for m in lines)
     assert [("weight_transport/gb" in m) for m in metrics(cut)] == [True, True, False, False, False]  # which mode
     assert (cut / "FINISHED").read_text().strip() == "5"
 
@@ -555,6 +578,7 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
         *_informative_at_random(tmp_path, tiny_qwen2),
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
+        "algorithm.kl_coef=0.1",
         "sampler.engine_sequences=40",
         # batches of 8 decided every engine step: some groups are still running when step 1's batch fills (at
         # eta = 0 only what the batch needs starts; with batches of 4 the first groups all end together)

@@ -48,6 +48,8 @@ class TrainSample:
     """[len(response_ids)] float32: logprobs of the policy that sampled, recomputed by compute_logprobs."""
     rollout_logp: Optional[torch.Tensor] = None
     """[len(response_ids)] float32: the rollout engine's sampling logprobs (for truncated IS)."""
+    ref_logp: Optional[torch.Tensor] = None
+    """[len(response_ids)] float32: the reference policy's logprobs (KL as a loss term), from compute_logprobs."""
     in_loss: bool = True
     """False masks the whole response out of the loss (overlong filtering)."""
 
@@ -70,6 +72,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [b, L] float32
     old_logp: Optional[torch.Tensor] = None  # [b, L] float32
     rollout_logp: Optional[torch.Tensor] = None  # [b, L] float32
+    ref_logp: Optional[torch.Tensor] = None  # [b, L] float32
     packed_seq_params: Any = None
     """megatron.core PackedSeqParams (qkv_format 'thd') for the packed layout, else None."""
 
@@ -118,6 +121,7 @@ def collate(
     advantages = torch.zeros(b, width)
     old_logp = torch.zeros(b, width) if all(s.old_logp is not None for s in seqs) else None
     rollout_logp = torch.zeros(b, width) if all(s.rollout_logp is not None for s in seqs) else None
+    ref_logp = torch.zeros(b, width) if seqs and all(s.ref_logp is not None for s in seqs) else None
     spans = []
     for k, s in enumerate(seqs):
         row, st, p, r = rows[k], starts[k], len(s.prompt_ids), len(s.response_ids)
@@ -133,6 +137,8 @@ def collate(
             old_logp[row, span] = s.old_logp.float()
         if rollout_logp is not None:
             rollout_logp[row, span] = s.rollout_logp.float()
+        if ref_logp is not None:
+            ref_logp[row, span] = s.ref_logp.float()
         spans.append((indices[k], row, span.start, span.stop))
     to = partial(torch.Tensor.to, device=device)
     return MicroBatch(
@@ -145,6 +151,7 @@ def collate(
         advantages=to(advantages),
         old_logp=None if old_logp is None else to(old_logp),
         rollout_logp=None if rollout_logp is None else to(rollout_logp),
+        ref_logp=None if ref_logp is None else to(ref_logp),
         packed_seq_params=_thd_params(lengths, width, device) if packed else None,
     )
 
@@ -199,17 +206,26 @@ def _slice_for_cp(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
         "advantages",
         "old_logp",
         "rollout_logp",
+        "ref_logp",
     )
     sliced = {f: None if getattr(mb, f) is None else cp_slice(getattr(mb, f), cp, rank) for f in fields}
     return MicroBatch(spans=mb.spans, packed_seq_params=None, **sliced)
 
 
 class MegatronPolicy:
-    """Megatron model chunks, optimizer and schedule for one rank of a layout."""
+    """Megatron model chunks, optimizer and schedule for one rank of a layout; or, frozen, the reference policy."""
 
-    def __init__(self, cfg: Config, arch: ModelArch, layout: Layout, full_weights: Optional[dict[str, torch.Tensor]]):
+    def __init__(
+        self,
+        cfg: Config,
+        arch: ModelArch,
+        layout: Layout,
+        full_weights: Optional[dict[str, torch.Tensor]],
+        frozen: bool = False,
+    ):
         """full_weights: full Megatron tensors (convert.layouts.hf_to_megatron); None keeps Megatron's
-        random initialisation (benchmarks)."""
+        random initialisation (benchmarks). frozen: the KL reference: the same sharding, no gradient buffers, no
+        optimizer, compute_logprobs only; with algorithm.ref_offload its weights wait in CPU memory."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -217,6 +233,19 @@ class MegatronPolicy:
         chunks = provider.build_model_chunks(arch, cfg, layout)
         if full_weights is not None:
             provider.load_full_weights(chunks, full_weights, arch, layout)
+        self._forward_backward = get_forward_backward_func()
+        a = cfg.algorithm
+        per_row = a.loss_agg_mode == "seq-mean-token-mean"
+        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1 and not per_row
+        self.offload = frozen and a.ref_offload and layout.device.type == "cuda"
+        if frozen:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+                if self.offload:
+                    chunk.cpu()
+            self.model, self.optimizer, self.scheduler = chunks, None, None
+            return
         self.model = provider.wrap_ddp(chunks, cfg)
         self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
         tf_config = chunks[0].config
@@ -224,13 +253,9 @@ class MegatronPolicy:
         tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         # The loss is already divided by the global token count: finalize must not rescale by it.
         tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
-        self._forward_backward = get_forward_backward_func()
-        # THD packing needs Transformer Engine's attention; the local spec gets padded rows. Under
-        # context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
+        # (self.packed above) THD packing needs Transformer Engine's attention; the local spec gets padded rows.
+        # Under context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
         # seq-mean-token-mean means over each response's row: padded rows there too.
-        a = cfg.algorithm
-        per_row = a.loss_agg_mode == "seq-mean-token-mean"
-        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1 and not per_row
         self.optimizer_steps = 0
         # algorithm.loss_impl, 'auto' resolved once for this device: the fused kernel or the reference
         self.loss_impl = resolve_loss_impl(a.loss_impl, fused_runs_on(layout.device))
@@ -242,7 +267,7 @@ class MegatronPolicy:
         policy's callbacks, and the cycle through the DDP wrapper's gradient hooks is never collected: without
         this a second 0.5B policy on an 80 GiB GPU ran out of memory. The policy is unusable afterwards."""
         for chunk in self.model:
-            config = chunk.module.config
+            config = provider.unwrap(chunk).config
             config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
         self.model, self.optimizer, self.scheduler = [], None, None
 
@@ -322,9 +347,17 @@ class MegatronPolicy:
                 {"spans": mb.spans, "logp": logp.cpu(), "entropy": entropy.cpu()},
             )
 
-        outputs = self._run(samples, loss_fn, forward_only=True)
-        for m in self.model:
-            m.train()
+        if self.offload:  # the reference's weights come to the GPU for this pass only
+            for m in self.model:
+                m.to(self.layout.device)
+        try:
+            outputs = self._run(samples, loss_fn, forward_only=True)
+        finally:
+            for m in self.model:
+                if self.offload:
+                    m.cpu()
+                elif self.optimizer is not None:  # the policy trains next; the reference stays in eval mode
+                    m.train()
         if not self.is_last_stage:
             return None
         result: list[Optional[dict[str, torch.Tensor]]] = [None] * len(samples)
@@ -350,9 +383,14 @@ class MegatronPolicy:
         Returns metrics (identical on every rank): actor/loss, actor/grad_norm, actor/lr,
         clip fractions, ratio, approx KL, entropy, tokens, and whether the update was applied.
         """
+        a, tis_cap = self.cfg.algorithm, self.cfg.tis_cap()
+        kl_term = a.kl_coef > 0 and not a.kl_in_reward
         if self.is_last_stage and any(s.old_logp is None for s in samples):
             raise ValueError("train_step: every sample needs old_logp on the last stage (from compute_logprobs)")
-        a, tis_cap = self.cfg.algorithm, self.cfg.tis_cap()
+        if kl_term and self.is_last_stage and any(s.ref_logp is None for s in samples):
+            raise ValueError(
+                "train_step: algorithm.kl_coef > 0: every sample needs ref_logp (the reference's logprobs)"
+            )
         normalizer = self.global_normalizer(samples)
         vocab = self.arch.vocab_size
         t0 = time.perf_counter()
@@ -374,6 +412,9 @@ class MegatronPolicy:
                 loss_agg_mode=a.loss_agg_mode,
                 log_ratio_clamp=a.log_ratio_clamp,
                 max_response_length=self.cfg.rollout.max_response_length,
+                ref_logp=mb.ref_logp if kl_term else None,
+                kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
             )
             loss = out.loss_sum / max(normalizer, 1.0)
             entropy = token_entropy(logits, temperature, vocab, self.layout)
@@ -386,7 +427,7 @@ class MegatronPolicy:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(samples, loss_fn, forward_only=False)
-        metrics = self._reduce_metrics(outputs)  # identical on every rank, so all skip together
+        metrics = self._reduce_metrics(outputs, normalizer, kl_term)  # identical on every rank: all skip together
         if math.isfinite(metrics["actor/loss"]):
             applied, grad_norm, _ = self.optimizer.step()
         else:  # a NaN/inf loss would poison the weights and Adam's moments: drop this update
@@ -405,11 +446,13 @@ class MegatronPolicy:
         )
         return metrics
 
-    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
-        """Sum the last stage's statistics over micro-batches and DP ranks, then share them with every stage."""
+    def _reduce_metrics(self, outputs: list[dict], normalizer: float, kl_term: bool) -> dict[str, float]:
+        """Sum the last stage's statistics over micro-batches and DP ranks, then share them with every stage.
+        kl_term: add actor/kl (the reference KL estimate per token) and actor/kl_loss (its part of actor/loss)."""
         from megatron.core import parallel_state
 
         keys = ["loss", "entropy_sum", "tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl_sum"]
+        keys += ["kl_sum", "kl_loss_sum"]
         sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
         if self.is_last_stage and outputs:
             stats = reduce_stats(outputs)
@@ -432,4 +475,7 @@ class MegatronPolicy:
         tokens = max(float(total["tokens"]), 1.0)
         metrics["actor/loss"] = float(total["loss"])
         metrics["actor/entropy"] = float(total["entropy_sum"]) / tokens
+        if kl_term:
+            metrics["actor/kl"] = float(total["kl_sum"]) / tokens
+            metrics["actor/kl_loss"] = float(total["kl_loss_sum"]) / max(normalizer, 1.0)
         return metrics

@@ -6,10 +6,13 @@ otherwise; everything else is the same code path on CPU and GPU.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_dapo.config import Config
@@ -276,3 +279,22 @@ def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bo
         t = gather_tp(slot.full_name, slot.param.main_grad if grads else slot.param.data, arch, layout).float()
         out.setdefault(slot.full_name, t.clone())  # a tied embedding on first and last stage: the first copy
     return out
+
+
+def weights_digest(full: Mapping[str, torch.Tensor], layout: Layout) -> str:
+    """sha256 over every full Megatron tensor (name, dtype, shape, bytes) in `full`'s order: the same for any
+    tp/pp/cp/dp, so a resumed run can check it is against the same weights. Each rank hashes one contiguous
+    share of the names (LazyMegatronWeights then reads each layer about once in all) and the digests are gathered:
+    collective over the world. full: name -> full tensor, e.g. LazyMegatronWeights."""
+    names = list(full)
+    share = -(-len(names) // layout.world_size)
+    mine = {}
+    for name in names[layout.rank * share : (layout.rank + 1) * share]:
+        t = full[name].detach().cpu().contiguous()
+        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        mine[name] = h.hexdigest()
+    parts: list = [None] * layout.world_size
+    dist.all_gather_object(parts, mine)
+    merged = {k: v for part in parts for k, v in part.items()}
+    return hashlib.sha256("".join(f"{n}:{merged[n]}\n" for n in names).encode()).hexdigest()
