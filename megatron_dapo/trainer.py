@@ -33,6 +33,7 @@ from megatron_dapo.algorithm import (
     MISMATCH_KEYS,
     group_advantages,
     kl_estimate,
+    kl_penalized_rewards,
     mismatch_metrics,
     overlong_filter_mask,
     rollout_mismatch_sums,
@@ -259,14 +260,14 @@ class Trainer:
         sums = sums.to(self.layout.device)
         dist.all_reduce(sums)
         sums = sums.cpu()
-        penalty = (a.kl_coef * sums[:-1]).reshape(len(groups), size)
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64) - penalty
-        advantages = group_advantages(rewards, eps=a.adv_eps, norm=a.adv_norm)
+        kl_sums = sums[:-1].reshape(len(groups), size)
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+        advantages = group_advantages(kl_penalized_rewards(rewards, kl_sums, a.kl_coef), a.adv_eps, a.adv_norm)
         for (key, j), s in zip(ids, samples):
             s.advantage = float(advantages[row[key], j])
         return {
             "actor/kl": float(sums[:-1].sum() / sums[-1].clamp(min=1)),
-            "actor/reward_kl_penalty": float(penalty.mean()),
+            "actor/reward_kl_penalty": float(a.kl_coef * kl_sums.mean()),
         }
 
     def train_step(self) -> dict[str, float]:

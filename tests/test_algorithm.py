@@ -13,6 +13,7 @@ from megatron_dapo.algorithm import (
     group_advantages,
     informative_groups,
     kl_estimate,
+    kl_penalized_rewards,
     loss_metrics,
     loss_normalizer,
     mismatch_metrics,
@@ -599,6 +600,23 @@ def test_kl_of_a_policy_to_itself_is_zero(est, seed):
     assert torch.equal(logp.grad, torch.full_like(logp, 1.0 if est == "k1" else 0.0))
     empty = kl_estimate(torch.zeros(0, 3), torch.zeros(0, 3), est)
     assert empty.shape == (0, 3)
+
+
+def test_kl_in_the_reward_lowers_each_response_s_reward_by_its_kl_then_the_group_normalises(seed):
+    """R - kl_coef x sum of k per response, then the group's advantages, against float64 written out: of two equally
+    rewarded responses the one further from the reference gets the lower advantage, and a group whose rewards are
+    equal gets advantages from its KL alone (the sampler still decides informative groups on correctness)."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (5, 4), generator=g).double()
+    rewards[0] = 1.0  # all correct: zero advantages without KL
+    kl_sums = torch.rand(5, 4, generator=g, dtype=torch.float64) * 3
+    got = group_advantages(kl_penalized_rewards(rewards, kl_sums, 0.1))
+    for i in range(5):
+        shaped = [r - 0.1 * k for r, k in zip(rewards[i].tolist(), kl_sums[i].tolist())]
+        assert got[i].tolist() == pytest.approx(ref_advantages(shaped), rel=1e-5, abs=1e-6)
+    assert got[0].argmin() == kl_sums[0].argmax() and got[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="kl_sums"):
+        kl_penalized_rewards(rewards, kl_sums[:, :3], 0.1)
 
 
 def test_kl_estimate_bad_input():

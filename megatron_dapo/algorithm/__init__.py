@@ -2,7 +2,7 @@
 
 from megatron_dapo.algorithm.advantages import group_advantages
 from megatron_dapo.algorithm.filters import informative_groups
-from megatron_dapo.algorithm.kl import kl_estimate
+from megatron_dapo.algorithm.kl import kl_estimate, kl_penalized_rewards
 from megatron_dapo.algorithm.overlong import excess_overlong_penalty, overlong_filter_mask, soft_overlong_punishment
 from megatron_dapo.algorithm.policy_loss import (
     LOSS_AGG_MODES,
@@ -28,6 +28,7 @@ __all__ = [
     "group_advantages",
     "informative_groups",
     "kl_estimate",
+    "kl_penalized_rewards",
     "loss_metrics",
     "loss_normalizer",
     "mismatch_metrics",

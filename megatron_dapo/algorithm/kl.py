@@ -45,3 +45,12 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
     if estimator == "k2":
         return 0.5 * d * d
     return (torch.exp(d) - 1.0 - d).clamp(-K3_CLAMP, K3_CLAMP)
+
+
+def kl_penalized_rewards(rewards: torch.Tensor, kl_sums: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """KL in the reward (algorithm.kl_in_reward): R - kl_coef x (k summed over each response's tokens), before the
+    group's advantages are taken. rewards, kl_sums: [N, G]. Returns [N, G] float64 (no gradient: k comes from the
+    old and reference logprobs)."""
+    if rewards.shape != kl_sums.shape:
+        raise ValueError(f"kl_penalized_rewards: rewards {tuple(rewards.shape)} and kl_sums {tuple(kl_sums.shape)}")
+    return rewards.double() - kl_coef * kl_sums.detach().double()
