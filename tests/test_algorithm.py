@@ -524,15 +524,16 @@ def test_rollout_mismatch_against_float64_reference(seed):
 def test_every_aggregation_is_global_over_micro_batches(mode, seed):
     """Summing loss_sum and normalizer over micro-batches (or data-parallel ranks: the same sums) equals the
     one-batch loss, gradients too; the divisor is loss_normalizer's rule on the whole mini-batch, as the trainer
-    computes it from its samples."""
+    computes it from its samples. With a KL term to a reference, whose share splits the same way."""
     logp, old_logp, adv, mask = random_batch(seed, b=8, t=30)
     mask[3] = False  # a fully masked response changes the per-micro-batch counts
-    kw = dict(dual_clip_c=3.0, loss_agg_mode=mode, max_response_length=40)
-    whole, whole_grad = run_loss(logp, old_logp, adv, mask, **kw)
+    ref = kl_reference_logp(logp, seed).float()
+    kw = dict(dual_clip_c=3.0, loss_agg_mode=mode, max_response_length=40, kl_coef=0.2, kl_estimator="k3")
+    whole, whole_grad = run_loss(logp, old_logp, adv, mask, ref_logp=ref, **kw)
     assert whole.normalizer == loss_normalizer(mask.sum(1), mode, 40)
     lp = logp.clone().float().requires_grad_(True)
     parts = [
-        policy_loss(lp[s], old_logp[s].float(), adv[s].float(), mask[s], **kw)
+        policy_loss(lp[s], old_logp[s].float(), adv[s].float(), mask[s], ref_logp=ref[s], **kw)
         for s in (slice(0, 1), slice(1, 5), slice(5, 8))
     ]
     global_count = sum(p.normalizer for p in parts)
@@ -540,6 +541,7 @@ def test_every_aggregation_is_global_over_micro_batches(mode, seed):
     sum(p.loss_sum / global_count for p in parts).backward()
     torch.testing.assert_close(lp.grad, whole_grad, rtol=1e-6, atol=1e-8)
     merged = reduce_stats([p.stats for p in parts])
+    assert float(whole.stats["kl_loss_sum"]) > 0
     for k, v in whole.stats.items():
         assert float(merged[k]) == pytest.approx(float(v), rel=1e-6), k
 

@@ -356,6 +356,7 @@ def test_nan_losses_stop_the_run_which_resumes_with_fp8_rollouts(two_steps, tmp_
     assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and m["actor/approx_kl"] == pytest.approx(0, abs=1e-9)
     assert 0 < m["rollout/tis_capped_frac"] < 1
     assert m["weight_sync/quantize_seconds"] > 0
+    assert m["actor/kl"] != 0 and "timing/ref_logp" in m  # step 3 of two_steps' run: the reference came back too
     assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
 
 
