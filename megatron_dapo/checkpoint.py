@@ -200,6 +200,17 @@ class CheckpointManager:
         """What load tries, in order: the one `latest` names, then the other complete ones, newest first."""
         return step_candidates(self.root)
 
+    def peek_trainer_state(self) -> Optional[dict[str, Any]]:
+        """The trainer state load() would most likely return (the first candidate with this rank's state file), read
+        without touching a model: for checks worth making before anything expensive starts. None if there is none."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for ckpt in self.candidates():
+            try:
+                return torch.load(ckpt / "state" / f"rank{rank:05d}.pt", weights_only=False)["trainer"]
+            except Exception:  # noqa: BLE001 - unreadable: load() will fall back past it, and so do we
+                continue
+        return None
+
     # ---------------------------------------------------------------- load
 
     def load(self, policy, path: Optional[str | Path] = None) -> Optional[dict[str, Any]]:

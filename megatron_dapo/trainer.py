@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,6 +144,9 @@ class Trainer:
             self.reference = MegatronPolicy(cfg, self.arch, self.layout, weights, frozen=True)
             self.reference_digest = weights_digest(weights, self.layout)  # checked when a checkpoint is resumed
         self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
+        self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
+        if cfg.trainer.resume and self.reference_digest is not None:  # refuse before the engines start
+            self._check_reference(self.checkpoints.peek_trainer_state())
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
@@ -178,7 +181,6 @@ class Trainer:
                 comm=self.comm,
                 stop_token_ids=[self.tokenizer.eos_token_id],
             )
-        self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self.gen_rounds = 0
         self.nan_in_a_row = 0
@@ -375,15 +377,20 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("reference_digest")
+        self._check_reference(state)
+        self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
+        self.loader.load_state_dict(state["loader"])
+
+    def _check_reference(self, state: Optional[dict[str, Any]]) -> None:
+        """A checkpoint's trainer state trained against other reference weights than model.hf_path's: ConfigError.
+        (No digest saved, KL off now, or no state: nothing to check.)"""
+        saved = (state or {}).get("reference_digest")
         if self.reference_digest is not None and saved is not None and saved != self.reference_digest:
             raise ConfigError(
                 f"{self.checkpoints.root}: the run trained with KL to reference weights {saved[:12]} (model.hf_path "
                 f"when it started), but model.hf_path={self.cfg.model.hf_path} holds {self.reference_digest[:12]}: "
                 "resume with the model the run started from, or start a new run in another trainer.run_dir"
             )
-        self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
-        self.loader.load_state_dict(state["loader"])
 
     def save(self) -> Path:
         return self.checkpoints.save(self.policy, self.step, self.state_dict())
