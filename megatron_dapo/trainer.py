@@ -3,10 +3,10 @@
 One rollout step: the dynamic-sampling loader collects `sampler.train_batch_size` informative
 groups of `algorithm.group_size` responses from the colocated vLLM engines; each group's shaped
 rewards become advantages; the policy recomputes the sampling policy's logprobs (old_logp)
-once (and, with algorithm.kl_coef > 0, the frozen reference policy its own), then takes one optimizer step per mini-batch of `optim.mini_batch_size` responses (16
-with the paper's sizes); the bridge then streams the new weights into the engines. Rollout
-steps, optimizer steps and generation rounds are counted apart; the LR schedule follows
-optimizer steps.
+once (and, with algorithm.kl_coef > 0, the frozen reference policy its own), then takes one
+optimizer step per mini-batch of `optim.mini_batch_size` responses (16 with the paper's sizes);
+the bridge then streams the new weights into the engines. Rollout steps, optimizer steps and
+generation rounds are counted apart; the LR schedule follows optimizer steps.
 
 Distributed (torchrun, any TP x PP x CP x DP): every rank runs the same sampling scheduler
 (dataset, seed, state), so prompt draws, acceptance and carried-over groups agree everywhere.

@@ -234,6 +234,9 @@ class MegatronPolicy:
         if full_weights is not None:
             provider.load_full_weights(chunks, full_weights, arch, layout)
         self._forward_backward = get_forward_backward_func()
+        # THD packing needs Transformer Engine's attention; the local spec gets padded rows. Under context parallel
+        # THD would need per-sequence zig-zag partitioning: padded rows there too. seq-mean-token-mean means over
+        # each response's row: padded rows there too.
         a = cfg.algorithm
         per_row = a.loss_agg_mode == "seq-mean-token-mean"
         self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1 and not per_row
@@ -253,9 +256,6 @@ class MegatronPolicy:
         tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         # The loss is already divided by the global token count: finalize must not rescale by it.
         tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
-        # (self.packed above) THD packing needs Transformer Engine's attention; the local spec gets padded rows.
-        # Under context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
-        # seq-mean-token-mean means over each response's row: padded rows there too.
         self.optimizer_steps = 0
         # algorithm.loss_impl, 'auto' resolved once for this device: the fused kernel or the reference
         self.loss_impl = resolve_loss_impl(a.loss_impl, fused_runs_on(layout.device))
