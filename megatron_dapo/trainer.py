@@ -38,7 +38,7 @@ from megatron_dapo.algorithm import (
     overlong_filter_mask,
     rollout_mismatch_sums,
 )
-from megatron_dapo.checkpoint import CheckpointManager
+from megatron_dapo.checkpoint import CheckpointManager, rng_states, set_rng_states
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.rollout.held_out import HeldOutEval
@@ -147,6 +147,10 @@ class Trainer:
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         if cfg.trainer.resume and self.reference_digest is not None:  # refuse before the engines start
             self._check_reference(self.checkpoints.peek_trainer_state())
+        resumed = None
+        if cfg.trainer.resume:  # before the engines and the reward pool: no usable checkpoint stops the run in seconds
+            resumed = self.checkpoints.load(self.policy)
+            rng = rng_states()
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
@@ -187,13 +191,12 @@ class Trainer:
         self._val_prompts: list[Prompt] | None = None
         if self.engine is not None:
             self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
-        if cfg.trainer.resume:
-            state = self.checkpoints.load(self.policy)
-            if state is not None:
-                self.step = state["step"]
-                self.load_state_dict(state["trainer"])
-                if self.layout.rank == 0:
-                    log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
+        if resumed is not None:
+            set_rng_states(rng)  # what start-up drew from the global generators since the load: undone
+            self.step = resumed["step"]
+            self.load_state_dict(resumed["trainer"])
+            if self.layout.rank == 0:
+                log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
         if self.remote is not None:
             self.remote.start()  # the controller loads the loader state, if any, and serves from it
         self._sync(self.step)  # the engine started from dummy weights

@@ -1,6 +1,7 @@
 """The sbatch scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/cluster.sh), jobs
 submitted with `sbatch` as a user types them (only the node count, and for the tiny CPU run the processes per node,
-differ from the 32B recipe), signals sent with `scancel`, states read with `scontrol`.
+differ from the 32B recipe; the first by `python -m megatron_dapo.launch slurm`), signals sent with `scancel`, states
+read with `scontrol`.
 
 Skipped when Slurm is absent or we are not root; `make test-slurm` installs the Debian packages and runs this file.
 """
@@ -12,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 from run_helpers import comparable, metrics, python_path, wait_until
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.launch import free_port_pair
+from megatron_dapo.launch.procs import free_port_pair
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -31,7 +33,7 @@ pytestmark = [
     ),
     pytest.mark.slow,
 ]
-STEPS = 5
+STEPS = 4  # the USR1 test saves the step in flight after step 1 (2, or 3 when late) and resumes to here
 
 
 @pytest.fixture(scope="module")
@@ -162,16 +164,38 @@ def train_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int = 1,
     )
 
 
+def launch_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int, **variables: str) -> str:
+    """train_job's job submitted as a user would with `python -m megatron_dapo.launch slurm` (from run's parent
+    folder, not the repository): the config and overrides become the script's variables; the rest of them
+    (SAVE_GRACE_S, the ports) and PYTHONPATH come from the environment. Returns the job id."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    config = ["--config", str(REPO / tiny["variables"]["CONFIG"]), "--nodes", str(nodes), "--gpus-per-node", "1"]
+    sbatch = ["--sbatch-args", f"--parsable --output={run.parent}/%x-%j.out"]
+    paths = [f"model.hf_path={tiny['model']}", f"data.train_files=[{tiny['data']}]", f"trainer.run_dir={run}"]
+    env = {**cluster, "RDZV_PORT": str(_rendezvous_port()), **{k: tiny["variables"][k] for k in ("SAVE_GRACE_S", "PYTHONPATH")}, **variables}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_dapo.launch", "slurm", *config, *sbatch, *paths, *tiny["overrides"], *extra],
+        cwd=run.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1].split(";")[0]
+
+
 ASYNC = {"ROLLOUT_NODES": "1"}
 """An asynchronous job on two nodes: the engine and the rollout controller on the first, the trainer on the second."""
 
 
 @pytest.fixture(scope="module")
 def finished(cluster, tiny) -> tuple[Path, str]:
-    """An uninterrupted asynchronous job on two nodes (two slurmd on this machine) at eta = 0: (run directory, job
-    id). (Async at eta = 0 takes a colocated run's steps: tests/test_trainer.py.)"""
+    """An uninterrupted asynchronous job on two nodes (two slurmd on this machine) at eta = 0, submitted by
+    `launch slurm`: (run directory, job id). (Async at eta = 0 takes a colocated run's steps: tests/test_trainer.py.)"""
     run = tiny["root"] / "jobs" / "full"
-    job_id = train_job(cluster, tiny, run, "sampler.max_staleness=0", nodes=2, **ASYNC, TRANSPORT_PORT=_transport())
+    split = ["pipeline.mode=async", "pipeline.rollout_gpus=1", "sampler.max_staleness=0"]  # ROLLOUT_NODES=1
+    job_id = launch_job(cluster, tiny, run, *split, nodes=2, TRANSPORT_PORT=_transport())
     info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert info["JobState"] == "COMPLETED", (info, (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()[-3000:])
     return run, job_id

@@ -205,35 +205,30 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
     assert got["rollout_weights"] == "none" and got["rollout_logp_mismatch_mean"] < 1e-4 and got["rollout_kl"] < 1e-6
 
 
-@pytest.mark.slow
-def test_bench_throughput_fp8_rows(tmp_path):
-    """rollout.quantization=fp8 without an engine: the sync sends what a GPU engine asks for, FP8 projections plus
-    float32 scales, everything else in fp32. (A CPU engine's FP8-rounded weights and the mismatch they show are the
-    same code under the preflight's bridge_fp8 row and the trainer's fp8 run: tests/test_preflight.py,
-    tests/test_trainer.py.)"""
+def test_bench_throughput_without_vllm_skips_rollout_and_step_and_sizes_an_fp8_sync(tmp_path):
+    """Without vLLM (`import vllm` fails, as on the GPU box before its wheels are in): rollout and step are skipped
+    with the reason, train and sync measured into a counting sink. With rollout.quantization=fp8 (one launch for
+    both) the sync sends what a GPU engine asks for, FP8 projections plus float32 scales, everything else in fp32.
+    (A CPU engine's FP8-rounded weights and the mismatch they show are the same code under the preflight's
+    bridge_fp8 row and the trainer's fp8 run: tests/test_preflight.py, tests/test_trainer.py.)"""
     from safetensors import safe_open
 
     from megatron_dapo.rollout.quantize import is_quantized, scale_shape
 
-    no_vllm = "sys.modules['vllm'] = None"
-    sink = _bench(tmp_path, *SMALL_RUN, "--parts", "sync", "rollout.quantization=fp8", prelude=no_vllm)
-    assert sink["rollout_weights"] == "fp8" and sink["sync_quantize_s"] > 0
+    got = _bench(tmp_path, *SMALL_RUN, "rollout.quantization=fp8", prelude="sys.modules['vllm'] = None")
+    assert got["skipped"] == {"rollout": "vLLM is not installed here", "step": "vLLM is not installed here"}
+    assert got["sync_into"] == "counting sink (no engine)"
+    for key in FIELDS["train"] + FIELDS["sync"]:
+        assert got[key] > 0, key
+    assert not any(key in got for key in FIELDS["rollout"] + FIELDS["step"])
+    assert got["rollout_weights"] == "fp8" and got["sync_quantize_s"] > 0
     with safe_open(str(Path(tempfile.gettempdir()) / "megatron_dapo_bench_tiny" / "model.safetensors"), "pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     want = 0  # bytes: 1 per FP8 weight and 4 per scale, 4 per fp32 value elsewhere
     for name, shape in shapes.items():
         n = math.prod(shape)
         want += n + 4 * math.prod(scale_shape(shape)) if is_quantized(name) else 4 * n
-    assert sink["sync_gb"] == round(want / 1e9, 4)
-
-
-def test_bench_throughput_without_vllm_skips_rollout_and_step(tmp_path):
-    got = _bench(tmp_path, *SMALL_RUN, prelude="sys.modules['vllm'] = None")  # `import vllm` fails, as on the GPU box
-    assert got["skipped"] == {"rollout": "vLLM is not installed here", "step": "vLLM is not installed here"}
-    assert got["sync_into"] == "counting sink (no engine)"
-    for key in FIELDS["train"] + FIELDS["sync"]:
-        assert got[key] > 0, key
-    assert not any(key in got for key in FIELDS["rollout"] + FIELDS["step"])
+    assert got["sync_gb"] == round(want / 1e9, 4)
 
 
 # ---------------------------------------------------------------- time_to_accuracy

@@ -343,7 +343,7 @@ def _train_e2e(tmp: Path) -> Result:
     import time
 
     from megatron_dapo.data.generator import generate_rows, write_jsonl
-    from megatron_dapo.launch import free_port_pair
+    from megatron_dapo.launch.procs import free_port_pair
     from megatron_dapo.model.tiny import build_tiny_qwen2
     from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 

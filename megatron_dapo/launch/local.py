@@ -1,27 +1,29 @@
-"""Starting an asynchronous job's two sides on this machine (pipeline.mode=async; docs/async.md).
+"""Launching on this machine: `python -m megatron_dapo.launch local` and the asynchronous job's two sides.
 
-`python -m megatron_dapo.train pipeline.mode=async ...` comes here: it starts the rollout side (one process, or
-torchrun with pipeline.rollout_gpus: the engines and the rollout controller) and the train side (one process, or
-torchrun with the rest of --nproc), tells them where to meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is
-(DAPO_ROLE), and waits. SIGTERM, SIGUSR1 and Ctrl-C go to the train side, which saves and stops the controller, as a
-colocated run saves and exits. The train side's exit status is the job's; a rollout side that dies ends the train side
-at once (its last complete checkpoint stays the one to resume from) with one error line. A Slurm job sets the same
-variables per srun step instead (slurm/train_qwen32b.sh, ROLLOUT_NODES).
+`launch local --nproc-per-node N` runs the trainer in one process (N = 1) or under torchrun (N > 1, a local
+rendezvous), forwarding SIGTERM, SIGUSR1 and Ctrl-C to the ranks themselves, which save and exit 0 (torchrun would
+stop them and fail). `python -m megatron_dapo.train pipeline.mode=async ...` (and `launch local` with that mode) comes
+to run_async_local: it starts the rollout side (one process, or torchrun with pipeline.rollout_gpus: the engines and
+the rollout controller) and the train side (one process, or torchrun with the rest of --nproc), tells them where to
+meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE), and waits. Stop signals go to the train
+side, which saves and stops the controller, as a colocated run saves and exits. The train side's exit status is the
+job's; a rollout side that dies ends the train side at once (its last complete checkpoint stays the one to resume
+from) with one error line. A Slurm job sets the same variables per srun step instead (slurm/train_qwen32b.sh,
+ROLLOUT_NODES), a Ray job per actor (launch/ray_cluster.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Optional
 
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
 from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 ROLLOUT_EXIT_GRACE_S = 60.0
@@ -29,28 +31,8 @@ ROLLOUT_EXIT_GRACE_S = 60.0
 FAILURE_GRACE_S = 5.0
 """After the train side has failed, how long the rollout side may take to exit on its own (its status may name the
 cause: a rollout process that died first) before it is killed."""
-
-_WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 free now (the controller's two transport stores), below the kernel's ephemeral range:
-    a port the system hands out for bind(0) (torch.distributed's own stores, with MASTER_PORT=0) could take it
-    between this choice and the controller's listening on it, which comes after its start-up."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low // 2), low - 1)
-        try:
-            for p in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind((host, p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no two consecutive free ports on {host} below {low}")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""What a launcher passes on to the trainer's ranks (SIGINT as SIGTERM): each saves and exits 0."""
 
 
 def side_devices(visible: list[str], rollout_gpus: int, train_procs: int) -> tuple[str, str]:
@@ -78,6 +60,51 @@ def visible_gpus() -> list[str]:
     return [d.strip() for d in listed.split(",") if d.strip()]
 
 
+def train_command(args: list[str], procs: int) -> list[str]:
+    """The command that starts `procs` trainer processes on this machine: the trainer's module, under torchrun for
+    several (--standalone: a local rendezvous on a free port, a torch.distributed world of its own)."""
+    if procs == 1:
+        return [sys.executable, "-m", "megatron_dapo.train", *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    return [*torchrun, "-m", "megatron_dapo.train", *args]
+
+
+def signal_ranks(proc: subprocess.Popen, procs: int, signum: int) -> None:
+    """A stop signal to the trainer's ranks themselves (SIGINT as SIGTERM): torchrun answers a SIGTERM by stopping
+    its ranks and failing, where each rank on its own saves and exits 0 (and torchrun with them)."""
+    import psutil
+
+    if proc.poll() is not None:
+        return
+    sig = signal.SIGTERM if signum == signal.SIGINT else signum
+    with contextlib.suppress(psutil.NoSuchProcess):
+        ranks = psutil.Process(proc.pid).children() if procs > 1 else [psutil.Process(proc.pid)]
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.send_signal(sig)
+
+
+def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: int) -> int:
+    """`launch local`: the trainer on this machine in nproc processes; its exit status (0 after a stop signal's
+    save). An asynchronous job splits nproc into its two sides (run_async_local)."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc}: expected at least 1")
+    if cfg.pipeline.mode == "async":
+        return run_async_local(config, overrides, cfg, nproc)
+    args = [*(["--config", config] if config else []), *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
+    # its own session: a Ctrl-C at the terminal reaches this process only, which asks the ranks to save
+    proc = subprocess.Popen(train_command(args, nproc), env=env, start_new_session=True)
+    previous = {s: signal.signal(s, lambda n, frame: signal_ranks(proc, nproc, n)) for s in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
 def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
     """Start both sides, forward stop signals to the train side, return its exit status (1 if the rollout died)."""
     train_procs = (nproc or cfg.pipeline.rollout_gpus + 1) - cfg.pipeline.rollout_gpus
@@ -86,7 +113,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             f"--nproc {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
         )
     args = [*(["--config", config] if config else []), *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in _WORLD_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
     rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
     visible = visible_gpus()
@@ -94,26 +121,12 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
         rollout_env["CUDA_VISIBLE_DEVICES"], train_env["CUDA_VISIBLE_DEVICES"] = side_devices(
             visible, cfg.pipeline.rollout_gpus, train_procs
         )
-    rollout_cmd, train_cmd = _side_command(args, cfg.pipeline.rollout_gpus), _side_command(args, train_procs)
+    rollout_cmd, train_cmd = train_command(args, cfg.pipeline.rollout_gpus), train_command(args, train_procs)
     # own sessions: a Ctrl-C at the terminal reaches this process only, which asks the train side to save
     rollout = subprocess.Popen(rollout_cmd, env=rollout_env, start_new_session=True)
     train = subprocess.Popen(train_cmd, env=train_env, start_new_session=True)
 
-    def forward(signum: int, frame: object) -> None:
-        """To the train ranks themselves: torchrun answers a SIGTERM by stopping its ranks and failing, where each
-        rank on its own saves and exits 0 (and torchrun with them)."""
-        import psutil
-
-        if train.poll() is not None:
-            return
-        sig = signal.SIGTERM if signum == signal.SIGINT else signum
-        with contextlib.suppress(psutil.NoSuchProcess):
-            ranks = psutil.Process(train.pid).children() if train_procs > 1 else [psutil.Process(train.pid)]
-            for rank in ranks:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    rank.send_signal(sig)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda n, frame: signal_ranks(train, train_procs, n)) for s in STOP_SIGNALS}
 
     def died(side: str, status: int, other: str) -> int:
         print(
@@ -131,7 +144,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
                     try:
                         rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
                     except subprocess.TimeoutExpired:
-                        _kill_tree(rollout)
+                        kill_tree(rollout)
                         return 0
                     return 0 if rollout.returncode == 0 else died("rollout", rollout.returncode, "train")
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -139,10 +152,10 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
                 # a train side that failed because its peer was gone (a lost connection) exits first at times
                 if rollout.returncode is not None and rollout.returncode < 0 <= train.returncode:
                     return died("rollout", rollout.returncode, "train")
-                _kill_tree(rollout)  # it holds nothing the checkpoints need: the controller's state is in them
+                kill_tree(rollout)  # it holds nothing the checkpoints need: the controller's state is in them
                 return died("train", train.returncode, "rollout")
             if rollout.poll() is not None and rollout.returncode != 0:
-                _kill_tree(train)  # its checkpoints are complete or absent, never half written
+                kill_tree(train)  # its checkpoints are complete or absent, never half written
                 return died("rollout", rollout.returncode, "train")
             time.sleep(0.2)
     finally:
@@ -150,27 +163,4 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             signal.signal(s, handler)
         for proc in (train, rollout):
             if proc.poll() is None:
-                _kill_tree(proc)
-
-
-def _side_command(args: list[str], procs: int) -> list[str]:
-    """The command that starts one side's `procs` processes: the trainer's module, under torchrun for several
-    (--standalone: a local rendezvous on a free port, each side a torch.distributed world of its own)."""
-    if procs == 1:
-        return [sys.executable, "-m", "megatron_dapo.train", *args]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    return [*torchrun, "-m", "megatron_dapo.train", *args]
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a side and every process under it: torchrun starts each train rank in a session of its own, so
-    killing the side's process group would leave the ranks running."""
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+                kill_tree(proc)
