@@ -45,8 +45,7 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def rng_states() -> dict[str, Any]:
-    """This process's random generators: torch's, CUDA's, Python's, NumPy's and Megatron's tracker (set_rng_states)."""
+def _rng_states() -> dict[str, Any]:
     import random
 
     import numpy as np
@@ -60,7 +59,7 @@ def rng_states() -> dict[str, Any]:
     return state
 
 
-def set_rng_states(state: dict[str, Any]) -> None:
+def _set_rng_states(state: dict[str, Any]) -> None:
     import random
 
     import numpy as np
@@ -168,7 +167,7 @@ class CheckpointManager:
                 "step": step,
                 "scheduler": policy.scheduler.state_dict(),
                 "optimizer_steps": policy.optimizer_steps,
-                "rng": rng_states(),
+                "rng": _rng_states(),
                 "trainer": trainer_state,
             },
             tmp / "state" / f"rank{rank:05d}.pt",
@@ -262,5 +261,5 @@ class CheckpointManager:
             _restore_adam_steps(policy.optimizer)
         policy.scheduler.load_state_dict(state["scheduler"])
         policy.optimizer_steps = state["optimizer_steps"]
-        set_rng_states(state["rng"])
+        _set_rng_states(state["rng"])
         return {"step": state["step"], "trainer": state["trainer"]}

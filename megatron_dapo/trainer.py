@@ -38,7 +38,7 @@ from megatron_dapo.algorithm import (
     overlong_filter_mask,
     rollout_mismatch_sums,
 )
-from megatron_dapo.checkpoint import CheckpointManager, rng_states, set_rng_states
+from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.rollout.held_out import HeldOutEval
@@ -148,9 +148,11 @@ class Trainer:
         if cfg.trainer.resume and self.reference_digest is not None:  # refuse before the engines start
             self._check_reference(self.checkpoints.peek_trainer_state())
         resumed = None
-        if cfg.trainer.resume:  # before the engines and the reward pool: no usable checkpoint stops the run in seconds
+        # before the engines and the reward pool: no usable checkpoint stops the run in seconds. What starts after it
+        # draws nothing from the global generators it restored (the engine puts them back: vllm_env), so the resumed
+        # run still reproduces the uninterrupted one (the kill -9 test)
+        if cfg.trainer.resume:
             resumed = self.checkpoints.load(self.policy)
-            rng = rng_states()
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
@@ -192,7 +194,6 @@ class Trainer:
         if self.engine is not None:
             self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
         if resumed is not None:
-            set_rng_states(rng)  # what start-up drew from the global generators since the load: undone
             self.step = resumed["step"]
             self.load_state_dict(resumed["trainer"])
             if self.layout.rank == 0:
