@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from run_helpers import session_survivors
+
 RESOURCE = "test_gpu"
 """The custom resource each node has one of: the launcher's --gpu-resource in the tests."""
 
@@ -32,20 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def session_survivors(sid: int) -> dict[int, str]:
-    """{pid: command line} of the processes still in session sid (one started with start_new_session=True)."""
-    import psutil
-
-    left = {}
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.info["pid"]) == sid:
-                left[p.info["pid"]] = " ".join(p.info["cmdline"] or [])[:200]
-        except (ProcessLookupError, PermissionError):
-            continue
-    return left
 
 
 def start_cluster(env: dict[str, str], gpus_on_second: int = 2, timeout: float = 120) -> RayCluster:

@@ -1,5 +1,5 @@
-"""A training run's metrics as the tests compare them, and waiting for a run to get somewhere (tests/test_trainer.py,
-tests/test_slurm_cluster.py)."""
+"""A training run's metrics as the tests compare them, waiting for a run to get somewhere, and what a run left
+running (tests/test_trainer.py, tests/test_slurm_cluster.py, tests/ray_helpers.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def wait_until(predicate, timeout: float = 300, what: str = "", proc: subprocess
         return
     ended = "" if proc is None or proc.poll() is None else f": the run ended first (exit {proc.poll()})"
     raise AssertionError(f"timed out waiting for {what}{ended}")
+
+
+def session_survivors(sid: int) -> dict[int, str]:
+    """{pid: command line} of the processes still in session sid (one started with start_new_session=True)."""
+    import psutil
+
+    left = {}
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.info["pid"]) == sid:
+                left[p.info["pid"]] = " ".join(p.info["cmdline"] or [])[:200]
+        except (ProcessLookupError, PermissionError):
+            continue
+    return left

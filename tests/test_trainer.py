@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ray_helpers import RESOURCE, session_survivors, start_cluster, stop_cluster
-from run_helpers import comparable, metrics, python_path, wait_until
+from ray_helpers import RESOURCE, start_cluster, stop_cluster
+from run_helpers import comparable, metrics, python_path, session_survivors, wait_until
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.data.generator import generate_rows, write_jsonl
@@ -801,20 +801,6 @@ def _child_with(pid: int, env_entry: str) -> int:
     return found[0]
 
 
-def _session_survivors(sid: int) -> list[str]:
-    """Command lines of the processes still in session sid (a run started with start_new_session=True)."""
-    import psutil
-
-    left = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(p.info["pid"]) == sid:
-                left.append(" ".join(p.info["cmdline"] or [])[:200])
-        except (ProcessLookupError, PermissionError):
-            continue
-    return left
-
-
 def _ends_with_nothing_left(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     """proc's (stdout, stderr) once it exits within timeout; every process it started is gone within 10 s."""
     import time
@@ -826,9 +812,9 @@ def _ends_with_nothing_left(proc: subprocess.Popen, timeout: float) -> tuple[str
         out, err = proc.communicate()
         raise AssertionError(f"still running after {timeout} s:\n{err[-3000:]}") from None
     deadline = time.time() + 10
-    while _session_survivors(proc.pid) and time.time() < deadline:
+    while session_survivors(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _session_survivors(proc.pid), _session_survivors(proc.pid)
+    assert not session_survivors(proc.pid), session_survivors(proc.pid)
     return out, err
 
 

@@ -164,8 +164,9 @@ def run_ray(config: Optional[str], overrides: list[str], cfg: Config, opts: Opti
             f"pipeline.rollout_gpus={rollout_gpus}: expected fewer than the job's {world} GPUs (--nodes x "
             "--gpus-per-node; the rest train)"
         )
-    args = [*(["--config", str(Path(config).resolve())] if config else []), *overrides]
-    paths = [os.getcwd(), *([args[1]] if config else [])]
+    config_path = str(Path(config).resolve()) if config else None
+    args = [*(["--config", config_path] if config_path else []), *overrides]
+    paths = [os.getcwd(), *([config_path] if config_path else [])]  # every node must see them
     connect(ray, opts.address)
     stop = Stop()
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
