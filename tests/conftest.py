@@ -1,5 +1,5 @@
-"""Test-session setup that must happen before any test module imports triton or torch, the `seed` fixture, and the
-tiny model every test run builds once."""
+"""Test-session setup that must happen before any test module imports triton or torch, the `seed` fixture, and what
+every test run builds once for all its workers: the tiny model and the 2-step run the end-to-end tests compare with."""
 
 import fcntl
 import os
@@ -68,8 +68,10 @@ def pytest_runtest_makereport(item, call):
 # --no-loadscope-reorder` (the Makefile) hands whole files to whichever worker is free in collection order, so a long
 # file collected last would set the floor.
 LONGEST_FILES = (
-    "test_trainer.py",
     "test_slurm_cluster.py",
+    "test_launch.py",  # the first to ask for two_steps (built once, below); the files after it find it built
+    "test_sampler_runs.py",
+    "test_trainer.py",
     "test_convert.py",
     "test_preflight.py",
     "test_rollout_sync.py",
@@ -90,30 +92,89 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
+def _built_once(tmp_path_factory, name: str, build) -> Path:
+    """build(directory) once per test run, shared by the xdist workers: a file-locked folder under the run's temp
+    root (the other worker waits for the build, then reads it; a build that died half way is built again)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_once"
+    root.mkdir(exist_ok=True)
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """tiny_qwen2(seed=0, copy_to=None) -> the directory of megatron_dapo.model.tiny's Qwen2 with that seed.
 
-    Built once per test run and shared by the xdist workers (a file-locked cache under the run's temp root); read
-    it only, or pass copy_to for a copy of one's own to change.
+    Built once per test run (_built_once); read it only, or pass copy_to for a copy of one's own to change.
     """
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny_models"
-    root.mkdir(exist_ok=True)
 
     def get(seed: int = 0, copy_to: Path | None = None) -> Path:
         from megatron_dapo.model.tiny import build_tiny_qwen2
 
-        out, done = root / f"qwen2_seed{seed}", root / f"qwen2_seed{seed}.done"
-        with open(root / f"qwen2_seed{seed}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the build, then reads it
-            if not done.exists():
-                shutil.rmtree(out, ignore_errors=True)  # a build that died half way
-                build_tiny_qwen2(out, seed=seed)
-                done.touch()
+        out = _built_once(tmp_path_factory, f"qwen2_seed{seed}", lambda d: build_tiny_qwen2(d, seed=seed))
         if copy_to is None:
             return out
         shutil.copytree(out, copy_to)
         return Path(copy_to)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def two_steps(tmp_path_factory, tiny_qwen2):
+    """A 2-step run in one process, built once per test run (_built_once) for the trainer's and the launchers' tests:
+    the tiny model, 64 addition problems, evaluation on 5 more after step 2, KL to the starting weights in the reward
+    (k1, GRPO-with-KL as PPO puts it; the loss term is tests/test_sampler_runs.py's).
+
+    Logs to Weights & Biases too, offline (wandb's files under the run directory and the fixture's folder, see
+    run_helpers.wandb_env). Returns its overrides (without trainer.run_dir or the W&B project), its run directory and
+    its stdout.
+    """
+    from run_helpers import run_train, wandb_env
+
+    from megatron_dapo.data.generator import generate_rows, write_jsonl
+
+    model = tiny_qwen2()
+
+    def overrides(root: Path) -> list[str]:
+        return [
+            f"model.hf_path={model}",
+            "model.dtype=fp32",
+            f"data.train_files=[{root / 'train.jsonl'}]",
+            "data.max_prompt_length=480",  # + 24 response tokens within the tiny model's 512 positions
+            "rollout.max_response_length=24",
+            "algorithm.overlong_buffer_len=8",
+            "algorithm.group_size=4",
+            "algorithm.dynamic_sampling=false",  # a random model is never right: no group would be informative
+            "algorithm.kl_coef=0.05",
+            "algorithm.kl_estimator=k1",
+            "algorithm.kl_in_reward=true",
+            "sampler.train_batch_size=4",
+            "sampler.gen_batch_size=4",
+            "optim.mini_batch_size=8",
+            "optim.warmup_steps=0",
+            "optim.lr=1e-3",
+            "reward.num_workers=1",
+            "trainer.total_steps=2",
+            "trainer.save_every=1",
+            f"data.val_files=[{root / 'val.jsonl'}]",
+            "eval.every=2",
+            "eval.k=3",
+        ]
+
+    def build(root: Path) -> None:
+        write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+        write_jsonl(root / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
+        run = [*overrides(root), "trainer.wandb_project=tiny", f"trainer.run_dir={root / 'run'}"]
+        (root / "stdout.txt").write_text(run_train(run, **wandb_env(root)).stdout)
+
+    root = _built_once(tmp_path_factory, "two_steps", build)
+    return overrides(root), root / "run", (root / "stdout.txt").read_text()

@@ -1,5 +1,5 @@
-"""User verifiers for tests/test_reward.py and tests/test_trainer.py, imported by name ('reward_helpers:...') in the
-pool's workers."""
+"""User verifiers for tests/test_reward.py, test_sampler_runs.py and test_trainer.py, imported by name
+('reward_helpers:...') in the pool's workers."""
 
 from __future__ import annotations
 

@@ -1,15 +1,51 @@
-"""A training run's metrics as the tests compare them, waiting for a run to get somewhere, and what a run left
-running (tests/test_trainer.py, tests/test_slurm_cluster.py, tests/ray_helpers.py)."""
+"""Starting a training run, its metrics as the tests compare them, waiting for a run to get somewhere, and what a run
+left running (the end-to-end tests: tests/test_trainer.py, test_sampler_runs.py, test_launch.py, test_slurm_cluster.py,
+tests/ray_helpers.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_dapo.timing import comparable  # noqa: F401  (the tests import it from here, beside metrics())
+
+
+def run_train(overrides: list[str], nproc: int = 1, **env_vars: str) -> subprocess.CompletedProcess:
+    """python -m megatron_dapo.train, under torchrun when nproc > 1, with env_vars set; asserts it succeeded."""
+    launch = [sys.executable, "-m", "megatron_dapo.train"]
+    if nproc > 1:  # --standalone: a local rendezvous on a free port
+        launch[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
+    proc = subprocess.run([*launch, *overrides], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def wandb_env(root: Path) -> dict[str, str]:
+    """W&B offline, its settings, cache and staging folders under root (not the user's home)."""
+    return {
+        "WANDB_MODE": "offline",
+        **{f"WANDB_{k}_DIR": str(root / "wandb" / k.lower()) for k in ("CONFIG", "CACHE", "DATA")},
+    }
+
+
+def same_up_to_fp32_sums(want: list[dict], got: list[dict]) -> None:
+    """Two runs' comparable metrics, step for step: the same keys, every data metric equal, the losses and logprob
+    statistics (actor/, rollout/) within fp32 rounding (sums associated differently: DP ranks, engine batches)."""
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        assert g.keys() == w.keys()
+        for k, v in w.items():
+            if k.startswith(("actor/", "rollout/")):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+            else:
+                assert g[k] == v, k
 
 
 def metrics(run: Path) -> list[dict]:

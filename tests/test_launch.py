@@ -1,19 +1,24 @@
 """`python -m megatron_dapo.launch {local,slurm,ray}`: what each launcher computes, checked without running a job.
 
-The runs themselves: `launch local` and `launch ray` on a real two-raylet Ray cluster in tests/test_trainer.py (beside
-the torchrun runs they are compared with), `launch slurm` on a real two-node Slurm cluster in
-tests/test_slurm_cluster.py.
+Then the runs themselves: `launch local` (torchrun, DP = 2) against the one-process run, and `launch ray` on a real
+two-raylet Ray cluster against the torchrun run: DP = 2 through a worker killed -9, the asynchronous sides through
+SIGTERM and a second launch (slow). `launch slurm` runs on a real two-node Slurm cluster in tests/test_slurm_cluster.py.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ray_helpers import RESOURCE, start_cluster, stop_cluster
+from run_helpers import comparable, metrics, python_path, same_up_to_fp32_sums, session_survivors, wait_until
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.launch.ray_cluster import Slot, forwarded_env, node_devices, slots_for, world_env
@@ -143,3 +148,184 @@ def test_a_launcher_is_named_first():
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: expected a launcher first, one of local, slurm, ray (python -m megatron_dapo.launch --help)"
     )
+
+
+@pytest.fixture(scope="module")
+def dp2(two_steps, tmp_path_factory):
+    """two_steps' run at DP = 2, started by `python -m megatron_dapo.launch local --nproc-per-node 2` (torchrun, a
+    local rendezvous): (run directory, finished process). The Ray launcher's runs below are compared with it."""
+    overrides, _, _ = two_steps
+    run = tmp_path_factory.mktemp("dp2") / "run"
+    launch = [sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launch, *overrides, f"trainer.run_dir={run}"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run, proc
+
+
+@pytest.mark.slow
+def test_data_parallel_run_matches_the_one_process_run(two_steps, dp2):
+    """`launch local`'s torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, fed groups on demand by the scheduler. (A DP = 2
+    resume is tests/test_checkpoint.py's, the next step bit for bit, and the eta = 1 test's below, end to end.)
+
+    Groups are seeded by their submission number and stream mode trains the first informative groups in
+    submission order, so the trained samples do not depend on the number of engines; without dynamic
+    sampling nothing is requeued either, so rewards and every count are those of the 1-process run
+    exactly, and each response crosses to the rank that trains it. The losses, ratios, grad norm and logprob mismatch agree
+    within fp32 rounding, not bit for bit: each rank sums its half of a mini-batch (in its own
+    micro-batch shapes) before the DP all-reduce adds the halves, so the sums are associated
+    differently, and step 2 then starts from weights that differ in the last bits.
+    """
+    _, ref_run, _ = two_steps
+    run, proc = dp2
+    assert proc.stdout.count("step 2 | reward") == 1  # rank 0 alone reports
+    assert all(m["sampler/bytes_moved"] == 0 for m in metrics(ref_run))
+    # the summaries reach both ranks; here each DP rank's share happens to come from its own engine (tested apart)
+    assert all(m["sampler/bytes_gathered"] > 0 for m in metrics(run))
+    want, got = [comparable(m) for m in metrics(ref_run)], [comparable(m) for m in metrics(run)]
+    assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
+    same_up_to_fp32_sums(want, got)
+    assert sorted(p.name for p in (run / "checkpoints" / "step_00000002" / "state").iterdir()) == [
+        "rank00000.pt",
+        "rank00001.pt",
+    ]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real Ray cluster of two nodes on this machine (tests/ray_helpers.py): each with one `test_gpu`; the second
+    also declares two GPUs it does not have. Stopped after this module's tests, with nothing left to kill."""
+    cluster = start_cluster({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)})
+    yield cluster
+    assert stop_cluster(cluster) == [], "Ray processes outlived their `ray start` and had to be killed"
+
+
+def _launch_ray(cluster, out: Path, *args: str) -> subprocess.Popen:
+    """`python -m megatron_dapo.launch ray` on the cluster, its output to the file out (a pipe nobody reads while it
+    runs would fill and stop it), in a session of its own."""
+    cmd = [sys.executable, "-m", "megatron_dapo.launch", "ray", "--address", cluster.address, *args]
+    return subprocess.Popen(cmd, env=cluster.env, stdout=out.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def _trainers(run: Path) -> dict[str, int]:
+    """{RANK: pid} of the trainer processes of run (whichever launcher started them)."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if "megatron_dapo.train" in cmd and f"trainer.run_dir={run}" in cmd and p.status() != psutil.STATUS_ZOMBIE:
+                found[p.environ().get("RANK", "")] = p.info["pid"]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _ray_finished(proc: subprocess.Popen, out: Path, run: Path, timeout: float = 600) -> str:
+    """The launcher's output once it exits within timeout; nothing of its own session and no trainer of run left."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the Ray launcher still ran after {timeout} s:\n{out.read_text()[-4000:]}") from None
+    wait_until(lambda: not session_survivors(proc.pid) and not _trainers(run), timeout=30, what="nothing left running")
+    return out.read_text()
+
+
+def _worker_nodes(text: str) -> list[tuple[str, str]]:
+    """(label, Ray node id) of each worker's first line, in the order printed."""
+    return re.findall(r"^\[([a-z]+ \d+)\] worker [a-z]+ \d+: Ray node ([0-9a-f]+) ", text, re.M)
+
+
+@pytest.mark.slow
+def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_from_its_checkpoint(ray_cluster, two_steps, dp2, tmp_path):
+    """`launch ray --nodes 2 --gpus-per-node 1`: one worker on each Ray node (one placement group, a bundle per node),
+    DP = 2. Rank 1's trainer is killed (SIGKILL) once step 1 is saved: the launcher says why, stops rank 0 and starts
+    both again from step 1; the finished run is the torchrun DP = 2 run (dp2) step for step, held-out evaluation
+    included."""
+    overrides, _, _ = two_steps
+    run, out = tmp_path / "run", tmp_path / "launch.out"
+    args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, "--max-restarts", "1"]
+    proc = _launch_ray(ray_cluster, out, *args, *overrides, f"trainer.run_dir={run}")
+    wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1's checkpoint", proc=proc)
+    os.kill(_trainers(run)["1"], signal.SIGKILL)
+    text = _ray_finished(proc, out, run)
+    assert proc.returncode == 0, text[-4000:]
+    nodes = _worker_nodes(text)
+    assert [label for label, _ in nodes] == ["rank 0", "rank 1"] * 2  # two attempts
+    assert len({node for _, node in nodes[:2]}) == 2, nodes  # one worker on each node
+    why = (
+        rf"^\[launch\] restart 1 of 1: rank 1 on Ray node [0-9a-f]{{12}} \([0-9.]+\) was killed by SIGKILL; "
+        rf"every worker was stopped, starting again from the newest checkpoint in {re.escape(str(run))}/checkpoints$"
+    )
+    assert re.search(why, text, re.M), text[-4000:]
+    assert "resumed from step 1" in text and text.count("[rank 0] step 2 | reward") == 1
+    want, got = [comparable(m) for m in metrics(dp2[0])], [comparable(m) for m in metrics(run)]
+    assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
+    same_up_to_fp32_sums(want, got)
+
+
+@pytest.mark.slow
+def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resumes(ray_cluster, two_steps, tmp_path):
+    """pipeline.mode=async on the Ray cluster: one rollout worker and one train worker, each on a node of its own,
+    meeting at the rollout node's ports. SIGTERM to the launcher once step 1 is saved: the train side saves the step
+    in flight and stops the controller, every worker exits 0, so does the launcher; the next launch resumes and
+    finishes, each step once. At eta = 0 its steps are two_steps' one-process steps."""
+    overrides, ref_run, _ = two_steps
+    run, out = tmp_path / "run", tmp_path / "launch.out"
+    split = ["pipeline.mode=async", "sampler.max_staleness=0", "trainer.total_steps=3", f"trainer.run_dir={run}"]
+    args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, *overrides, *split]
+    proc = _launch_ray(ray_cluster, out, *args)
+    wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1's checkpoint", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    text = _ray_finished(proc, out, run)
+    assert proc.returncode == 0, text[-4000:]
+    nodes = dict(_worker_nodes(text))
+    assert list(nodes) == ["rollout 0", "train 0"] and nodes["rollout 0"] != nodes["train 0"], nodes
+    assert "[launch] SIGTERM: asking the trainers to save and exit" in text
+    assert f"[train 0] SIGTERM: saved {run / 'checkpoints' / 'step_00000002'} at step 2; exiting" in text, text[-4000:]
+    assert "[launch] SIGTERM: every trainer saved and exited; launch again to resume" in text
+
+    out2 = tmp_path / "launch2.out"
+    proc = _launch_ray(ray_cluster, out2, *args)
+    text = _ray_finished(proc, out2, run)
+    assert proc.returncode == 0 and "resumed from step 2" in text, text[-4000:]
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0] and (run / "FINISHED").read_text().strip() == "3"
+    assert all(m["weight_transport/gb"] > 0 for m in lines)
+    same_up_to_fp32_sums([comparable(m) for m in metrics(ref_run)], [comparable(m) for m in lines[:2]])
+
+
+def test_ray_binds_each_worker_to_its_gpu_and_refuses_what_cannot_run(ray_cluster, tmp_path):
+    """--print-only on the node that declares two GPUs: Ray gives each worker one; each trainer would see both in
+    local-rank order, so its cuda:LOCAL_RANK is the one Ray gave it. No cluster at the address, or more nodes than
+    the cluster has: one error line within 30 s, nothing started."""
+    import time
+
+    out = tmp_path / "print.out"
+    proc = _launch_ray(ray_cluster, out, "--nodes", "1", "--gpus-per-node", "2", "--print-only")
+    text = _ray_finished(proc, out, tmp_path / "none", timeout=120)
+    assert proc.returncode == 0, text[-3000:]
+    workers = re.findall(r"LOCAL_RANK (\d) of 2, .*Ray GPU ids \['(\d)'\], CUDA_VISIBLE_DEVICES ([\d,]+)", text)
+    assert len(workers) == 2 and {gpu for _, gpu, _ in workers} == {"0", "1"}, text[-3000:]
+    for local, gpu, visible in workers:
+        assert visible.split(",")[int(local)] == gpu and len(visible.split(",")) == 2
+    assert "[launch] every worker runs: python -m megatron_dapo.train" in text
+
+    with socket.socket() as s:  # a port nobody listens on once this is closed
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    cases = [
+        (closed, ["--nodes", "1"], f"error: --address {closed}: no Ray cluster answers there"),
+        (ray_cluster.address, ["--nodes", "3", "--gpus-per-node", "1", "--gpu-resource", RESOURCE],
+         f"error: --nodes 3 --gpus-per-node 1: the Ray cluster has 2 node(s) with 1 {RESOURCE} (per node: "),
+    ]  # fmt: skip
+    for address, args, message in cases:
+        start = time.time()
+        cmd = [sys.executable, "-m", "megatron_dapo.launch", "ray", "--address", address, *args]
+        done = subprocess.run(cmd, env=ray_cluster.env, capture_output=True, text=True, timeout=60)
+        assert time.time() - start < 30 and done.returncode == 1, done.stderr[-3000:]
+        assert done.stderr.strip().startswith(message) and len(done.stderr.strip().splitlines()) == 1, done.stderr

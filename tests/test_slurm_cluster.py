@@ -192,7 +192,7 @@ ASYNC = {"ROLLOUT_NODES": "1"}
 @pytest.fixture(scope="module")
 def finished(cluster, tiny) -> tuple[Path, str]:
     """An uninterrupted asynchronous job on two nodes (two slurmd on this machine) at eta = 0, submitted by
-    `launch slurm`: (run directory, job id). (Async at eta = 0 takes a colocated run's steps: tests/test_trainer.py.)"""
+    `launch slurm`: (run directory, job id). (Async at eta = 0 takes a colocated run's steps: tests/test_sampler_runs.py.)"""
     run = tiny["root"] / "jobs" / "full"
     split = ["pipeline.mode=async", "pipeline.rollout_gpus=1", "sampler.max_staleness=0"]  # ROLLOUT_NODES=1
     job_id = launch_job(cluster, tiny, run, *split, nodes=2, TRANSPORT_PORT=_transport())

@@ -1,0 +1,283 @@
+"""End-to-end runs whose sampler carries state from step to step (dynamic sampling, partial rollout's paused groups,
+informative groups carried to the next batch, the prompt memory, truncated IS, KL to the reference as a loss term):
+an uninterrupted 5-step run, the same run split into its asynchronous sides and killed -9 in the middle of a weight
+update then resumed colocated, the asynchronous pipeline ahead of training through kill -9 and SIGTERM, and two
+engines in two processes with partial rollout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from run_helpers import comparable, metrics, python_path, run_train, wait_until
+
+from megatron_dapo.data.generator import generate_rows, write_jsonl
+
+
+def _ends_early(model_dir: Path) -> Path:
+    """The tiny random model with its end-of-turn logit scaled up 2.5x: responses then end anywhere in 1..24
+    tokens (measured) instead of nearly always at the limit, so groups finish at different steps."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    weights["lm_head.weight"][eos] *= 2.5
+    save_file(weights, path, metadata={"format": "pt"})
+    return model_dir
+
+
+def _informative_at_random(root: Path, tiny_qwen2) -> list[str]:
+    """Overrides for a run on the tiny model (ends early, see _ends_early) whose groups are informative at random:
+    a verifier right for a quarter of all texts, groups of 4, batches of 4, decisions every 2 engine steps."""
+    model = _ends_early(tiny_qwen2(copy_to=root / "model"))
+    data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
+    return [
+        f"model.hf_path={model}",
+        "model.dtype=fp32",
+        f"data.train_files=[{data}]",
+        "data.max_prompt_length=480",
+        "rollout.max_response_length=24",
+        "algorithm.overlong_buffer_len=8",
+        "algorithm.group_size=4",
+        "reward.verifier=reward_helpers:one_in_four",
+        "sampler.train_batch_size=4",
+        "sampler.tick_steps=2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_qwen2):
+    """(cmd, env, metrics lines, run_dir) of a 5-step run with a checkpoint every step, whose checkpoints hold every
+    kind of sampler state at once.
+
+    Dynamic sampling on (a verifier that is right for a quarter of all texts makes groups informative at random);
+    partial rollout pauses groups across the weight sync and carries the informative groups found beyond a batch;
+    prompt memory (12 prompts: each comes up every other step) records every group and skips prompts; held-out
+    evaluation every 2 steps (in the asynchronous runs below, the rollout side's); KL to the starting weights as a
+    loss term (k3, verl's low_var_kl), so a resume needs the reference too.
+    """
+    root = tmp_path_factory.mktemp("uninterrupted")
+    rows = generate_rows(kind="arithmetic", schema="dapo", n=12, seed=0)
+    val = write_jsonl(root / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=5, seed=1))
+    common = [
+        *_informative_at_random(root, tiny_qwen2),
+        f"data.train_files=[{write_jsonl(root / 'small.jsonl', rows)}]",
+        f"data.val_files=[{val}]",  # evaluated after steps 2, 4 and 5, scored by the quarter-right verifier
+        "eval.every=2",
+        "eval.k=3",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-3",
+        "reward.num_workers=1",
+        "trainer.total_steps=5",
+        "trainer.save_every=1",
+        "trainer.tensorboard=false",
+        "sampler.partial_rollout=true",
+        "algorithm.tis_cap=2.0",
+        "algorithm.kl_coef=0.1",
+        "sampler.engine_sequences=40",
+        "sampler.skip=true",
+        "sampler.skip_adapt=1.0",  # the exploration probability drops to its floor after one step
+        "sampler.max_staleness=0",  # what pipeline.mode=async runs so far: the later launches run it
+        "trainer.progress_bar=false",
+        "rollout.bucket_bytes=400000",  # the 1.5 MB model in several buckets: a crash can land between two
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *common]
+    full = root / "full"
+    done = subprocess.run([*cmd, f"trainer.run_dir={full}"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = metrics(full)
+    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    return cmd, env, lines, full
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, tiny_qwen2):
+    """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
+    part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's), asynchronous DAPO at
+    eta = 0 taking the colocated run's steps, and a kill -9 in the middle of a weight update:
+
+    1. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0: its train process kills
+       itself (DAPO_FAULT) in the middle of sending update 3, once the second of its buckets is out (after step 3
+       trained, before it is saved): exit 1, one error line naming the train side, nothing of step 3 kept;
+    2. colocated: resumes from the asynchronous run's step 2 and finishes. The metrics of both, step for step (the
+       rollout side's held-out evaluation after step 2 included), and the prompt memory saved at the end are the
+       uninterrupted colocated run's. (An asynchronous run resuming an asynchronous checkpoint step for step is the
+       Slurm USR1 test's, tests/test_slurm_cluster.py; a rollout process's death mid-update and SIGTERM to an
+       asynchronous run are the next test's, at eta = 1.)
+    """
+    cmd, env, lines, full = uninterrupted
+    want = [comparable(m) for m in lines]
+    assert sum(m["sampler/paused"] for m in lines) > 0  # the checkpoints hold groups in flight
+    assert sum(m["sampler/carried_out"] for m in lines[:-1]) > 0  # and finished groups carried to the next step
+    assert sum(m.get("staleness/tokens_1", 0) for m in lines) > 0  # continued groups were trained a version later
+    assert sum(m["skip/skipped"] for m in lines[2:]) > 0  # the resumed steps skip by the record
+    evals = [m.get("eval/avg_at_k") for m in lines]  # the split's evaluation (step 2) must be this one
+    assert [e is not None for e in evals] == [False, True, False, True, True] and 0 < sum(evals[3:]) < 2
+    cut = tmp_path / "cut"
+    ckpt = cut / "checkpoints"
+    split = [*cmd, f"trainer.run_dir={cut}", "pipeline.mode=async"]
+    crashed = subprocess.run(split, env={**env, "DAPO_FAULT": "send:3:1"}, capture_output=True, text=True, timeout=600)
+    assert crashed.returncode == 1, crashed.stderr[-4000:]
+    assert crashed.stderr.splitlines()[-1].startswith("error: the train side exited with status -9")
+    assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
+    assert metrics(cut)[-1]["weight_transport/buckets"] >= 3  # so bucket 1 was the middle of an update
+
+    # a resume whose model.hf_path (the KL reference) is not the weights the run started from: refused
+    other = [*cmd, f"trainer.run_dir={cut}", f"model.hf_path={tiny_qwen2()}"]  # the model before _ends_early
+    refused = subprocess.run(other, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith(
+        f"error: {ckpt}: the run trained with KL to reference weights "
+    ), refused.stderr[-3000:]
+    assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
+
+    resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step 2" in resumed.stderr
+    got = [comparable(m) for m in metrics(cut)]
+    assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
+    assert got == want
+    # the loss term, token-mean: kl_coef x the mean k over the loss's tokens; k3 >= 0, and > 0 once an update moved
+    assert all(m["actor/kl"] > 0 and m["actor/kl_loss"] == pytest.approx(0.1 * m["actor/kl"], rel=1e-6) for m in lines)
+    assert [("weight_transport/gb" in m) for m in metrics(cut)] == [True, True, False, False, False]  # which mode
+    assert (cut / "FINISHED").read_text().strip() == "5"
+
+    def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
+        state = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+        return state["trainer"]["loader"]["scheduler"]["memory"]
+
+    a, b = memory(full), memory(cut)
+    assert a["visits"].sum() > 0 and a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a if k != "explore") and a["explore"] == b["explore"]
+    tool = Path(__file__).resolve().parent.parent / "tools" / "prompt_persistence.py"
+    shown = subprocess.run(
+        [sys.executable, str(tool), str(full / "checkpoints" / "step_00000005")], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    followed = int(sum(max(0, min(int(v), 4) - 1) for v in a["visits"]))  # visits with an earlier one in the ring
+    assert shown.stdout.startswith(f"{followed} visits after an earlier one (step >= 0, G = 4)")
+
+
+@pytest.mark.slow
+def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uninterrupted, tmp_path):
+    """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
+    in flight) with two train ranks (--nproc 3: torchrun for the train side):
+
+    1. the rollout process kills itself (DAPO_FAULT) in the middle of taking update 3, once its engine has taken
+       the update's second bucket: the run stops at once with one error line, no process of the train side left
+       (torchrun's ranks run in sessions of their own), its last complete checkpoint step 2's or step 3's;
+    2. resumed, and SIGTERM to the launcher once it has saved a step: the train side saves, stops the controller,
+       exits 0.
+
+    When an update lands depends on timing, so no run equals another step for step; what must hold is checked from
+    the run's own record: each batch is trained by the weights of its index (an update is applied before the batch
+    that needs it is handed out), tokens were trained a version after they were sampled (the overlap happened),
+    each step's generated tokens are counted once, and the prompt memory in the last checkpoint counts exactly the
+    groups the surviving steps generated: every visit trained or rejected once, none from the killed run's lost
+    steps and none of the batch collected after the last one leaked into the saved state.
+    """
+    import signal
+
+    import psutil
+
+    cmd, env, _, _ = uninterrupted
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc", "3"]
+    crash = {**env, "DAPO_FAULT": "receive:3:1"}
+    proc = subprocess.Popen([*cmd, *ahead], env=crash, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: len(metrics(run)) >= 1, what="step 1", proc=proc)  # the train ranks are up
+    train_side = [p.pid for p in psutil.Process(_child_with(proc.pid, "DAPO_ROLE=train")).children(recursive=True)]
+    train_side.append(_child_with(proc.pid, "DAPO_ROLE=train"))
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout side exited with status -9")
+    assert len(train_side) >= 3 and not [pid for pid in train_side if _running(pid)]  # torchrun, 2 ranks, workers
+    # update 3 follows step 3's training; its buckets may all fit in the socket's buffer, so the train side may
+    # save step 3 before it learns that the receiver is gone (a complete step either way)
+    saved = max(int(p.parent.name.split("_")[1]) for p in ckpt.glob("step_*/COMPLETE"))
+    assert saved in (2, 3) and not (ckpt / "step_00000004").exists()
+
+    proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until((ckpt / f"step_{saved + 1:08d}" / "COMPLETE").is_file, what=f"step {saved + 1}", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"resumed from step {saved}" in err and "SIGTERM: saved" in out
+    lines = metrics(run)
+    stopped_at = len(lines)
+    assert saved < stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert [m["step"] for m in lines] == [float(k) for k in range(1, stopped_at + 1)]
+    assert [m["pipeline/weights_version"] for m in lines] == [float(k) for k in range(stopped_at)]
+    # evaluated after step 2 (and 4) by the rollout side, at the batch boundary after those weights landed
+    assert [("eval/avg_at_k" in m) for m in lines] == [k in (2, 4) for k in range(1, stopped_at + 1)]
+    assert all(m["eval/k"] == 3 and m["eval/problems"] == 5 for m in lines if "eval/k" in m)
+    assert all(m["pipeline/updates"] >= 1 and m["pipeline/update_pause_s"] > 0 for m in lines)
+    assert max(m["staleness/max"] for m in lines) >= 1  # sampled by the weights before the ones training it
+    # a step's tokens are counted by the step that generated them, whatever weights did: each lands in one bin
+    parts = ("trained", "wasted", "carried", "paused", "uninformative")
+    assert all(m["tokens/generated"] == sum(m[f"tokens/{p}"] for p in parts) > 0 for m in lines)
+    last = torch.load(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt", weights_only=False)
+    visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
+    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines))
+
+
+@pytest.mark.slow
+def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
+    """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
+    schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
+    generate reach it as tensors."""
+    overrides = [
+        *_informative_at_random(tmp_path, tiny_qwen2),
+        "sampler.partial_rollout=true",
+        "algorithm.tis_cap=2.0",
+        "algorithm.kl_coef=0.1",
+        "sampler.engine_sequences=40",
+        # batches of 8 decided every engine step: some groups are still running when step 1's batch fills (at
+        # eta = 0 only what the batch needs starts; with batches of 4 the first groups all end together)
+        "sampler.max_staleness=0",
+        "sampler.train_batch_size=8",
+        "sampler.tick_steps=1",
+        "optim.mini_batch_size=8",
+        "optim.warmup_steps=0",
+        "reward.num_workers=1",
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.tensorboard=false",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
+    run_train(overrides, nproc=2, PYTHONPATH=python_path(Path(__file__).parent))  # the verifier, for every worker
+    lines = metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == [1.0, 2.0]
+    assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
+    assert sum(m["sampler/bytes_moved"] for m in lines) > 0
+    busy = [m["timing/engine_busy_frac"] for m in lines]
+    assert all(0 <= b <= 1 for b in busy) and max(busy) > 0  # a step served from the carry generates nothing
+    for m in lines:  # the phases are timed apart and within the step
+        phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
+        assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
+
+
+def _running(pid: int) -> bool:
+    """pid is a process that has not exited (a killed orphan stays a zombie until this container's init reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _child_with(pid: int, env_entry: str) -> int:
+    """The child process of pid whose environment holds env_entry (e.g. "DAPO_ROLE=rollout")."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = [int(c) for c in children if env_entry.encode() in Path(f"/proc/{c}/environ").read_bytes().split(b"\0")]
+    assert len(found) == 1, (pid, env_entry, children)
+    return found[0]
