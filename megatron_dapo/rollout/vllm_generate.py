@@ -50,7 +50,7 @@ class GenerateMixin:
     """generate(): the part of VLLMEngine (vllm_engine.py) that samples whole batches.
 
     VLLMEngine provides llm, model_path, max_model_len, stats, show_progress, _broken, _check_ready(),
-    _sampling_params() and _engine_rng(); streaming (vllm_stream.py) provides _refuse_while_streaming().
+    _sampling_params() and _engine_sampling(); streaming (vllm_stream.py) provides _refuse_while_streaming().
     """
 
     def generate(
@@ -137,7 +137,7 @@ class GenerateMixin:
         from vllm.inputs import TokensPrompt
 
         try:
-            with self._engine_rng():
+            with self._engine_sampling():
                 return self.llm.generate(
                     [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=self._progress_bar()
                 )

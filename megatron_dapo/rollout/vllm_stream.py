@@ -67,7 +67,7 @@ class StreamMixin:
     """submit() / step() / abort(): the part of VLLMEngine (vllm_engine.py) that streams groups.
 
     VLLMEngine calls _init_streaming() at construction and provides llm, model_path, max_model_len, stats, _broken,
-    _check_ready(), _sampling_params() and _engine_rng().
+    _check_ready(), _sampling_params() and _engine_sampling().
     """
 
     def _init_streaming(self) -> None:
@@ -221,7 +221,7 @@ class StreamMixin:
             self._check_ready()
             t0 = time.perf_counter()
             try:
-                with self._engine_rng():
+                with self._engine_sampling():
                     outputs = self.llm.llm_engine.step()
             except Exception as e:
                 self._broken = f"step failed: {type(e).__name__}: {e}"
