@@ -63,7 +63,7 @@
 #      exits 1 (it re-raises the signal), so the decision below does not read its status.
 #   5. After srun: run_dir/FINISHED (written at trainer.total_steps) -> done, exit 0. SIGUSR1 came
 #      and checkpoints/latest moved during this job -> `scontrol requeue`: the job goes back to the
-#      queue under the same id and the next attempt resumes from latest (trainer.resume=true).
+#      queue under the same id and the next attempt resumes from latest (it passes trainer.resume=true).
 #      SIGUSR1 but no new checkpoint -> exit 1, no requeue (another attempt could make no more progress).
 #      No stop signal -> a failure: exit non-zero, never requeued.
 #   Lead time: 40 min must cover the rest of the step in flight plus the save. tools/estimate_step_time.py
@@ -160,6 +160,8 @@ node_addr() { # NAME: the address Slurm reaches node NAME at (its NodeAddr; the 
 job_log=$LOG_DIR/$SLURM_JOB_ID/attempt_${SLURM_RESTART_COUNT:-0}
 train=(-m megatron_dapo.train --config "$CONFIG" "trainer.run_dir=$RUN_DIR" "model.hf_path=$MODEL_PATH"
     "data.train_files=[$DATA_PATH]" "${validation[@]}" "$@")
+# a requeued attempt continues the run it saved, whatever the config says (examples/tiny_cpu.yaml does not resume)
+if ((${SLURM_RESTART_COUNT:-0} > 0)); then train+=(trainer.resume=true); fi
 sides=(all)
 if ((ROLLOUT_NODES)); then # two srun steps on nodes of their own; they meet at the rollout controller on the first node
     sides=(rollout train)

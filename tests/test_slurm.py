@@ -253,6 +253,7 @@ def test_train_dry_run_settings_from_the_environment(job):
         f"model.hf_path={job['model']}",
         f"data.train_files=[{job['data']}]",
         "eval.every=0",
+        "trainer.resume=true",  # attempt 3: a requeued attempt resumes whatever the config says
     ]
 
 

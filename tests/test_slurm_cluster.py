@@ -237,6 +237,9 @@ def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, *extra: 
     saved = int(first.split("saved step_")[1].split()[0])
     assert 1 <= saved < STEPS, first
     assert f"latest checkpoint: step_{saved:08d}" in batch_log(run, job_id, 1)
+    # the trainer itself resumed (a run that started again from scratch would end with the same metrics)
+    again = "".join(p.read_text() for p in (run / "logs" / job_id / "attempt_1").glob("*node0.log"))
+    assert f"resumed from step {saved}" in again and f"step {saved} |" not in again, again[-3000:]
     got = [comparable(m) for m in metrics(run)]
     assert [m["step"] for m in got] == [float(s) for s in range(1, STEPS + 1)]  # each step once
     assert got == [comparable(m) for m in metrics(reference)]
