@@ -64,6 +64,10 @@ def pytest_runtest_makereport(item, call):
                 )
 
 
+# The files whose megatron_worker.py jobs share the test run's torchrun launches (megatron_runs, below): xdist hands
+# them out as one unit, so they run on one worker, one after another.
+MEGATRON_JOB_FILES = ("test_checkpoint.py", "test_model.py", "test_model_parallel.py", "test_weight_bridge.py")
+
 # The longest files, longest first (benchmarks/RESULTS.md, the suite's durations): `--dist loadfile
 # --no-loadscope-reorder` (the Makefile) hands whole files to whichever worker is free in collection order, so a long
 # file collected last would set the floor.
@@ -72,6 +76,7 @@ LONGEST_FILES = (
     "test_launch.py",  # the first to ask for two_steps (built once, below); the files after it find it built
     "test_sampler_runs.py",
     "test_trainer.py",
+    MEGATRON_JOB_FILES,  # the longest of make test-fast
     "test_convert.py",
     "test_preflight.py",
     "test_rollout_sync.py",
@@ -81,15 +86,52 @@ LONGEST_FILES = (
     "test_demo.py",
     "test_reward_fuzz.py",
     "test_eval.py",
-    "test_model_parallel.py",  # the longest of make test-fast from here on
     "test_rollout.py",
     "test_kernel.py",
 )
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    rank = {name: i for i, names in enumerate(LONGEST_FILES) for name in ([names] if isinstance(names, str) else names)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with MEGATRON_JOB_FILES as one unit of work (one scope), every other file its own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileMegatronJobsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "megatron jobs" if Path(path).name in MEGATRON_JOB_FILES else path
+
+    return LoadFileMegatronJobsTogether(config, log)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(request, tmp_path_factory) -> dict[str, dict]:
+    """{test module: {job: the worker's merged result, or its failure}} for every collected test file that defines
+    `megatron_jobs(root) -> {job: Job}`: all their jobs in one torchrun launch per world size, so torch and Megatron
+    are imported once for the files, not once per file. Jobs marked slow run only where the run keeps slow tests."""
+    from megatron_helpers import run_jobs, wants_slow
+
+    collected = [getattr(item, "module", None) for item in request.session.items]
+    modules = {m.__name__: m for m in collected if hasattr(m, "megatron_jobs")}
+    stray = sorted(m.__file__ for m in modules.values() if Path(m.__file__).name not in MEGATRON_JOB_FILES)
+    assert not stray, f"{stray} define megatron_jobs: add them to tests/conftest.py MEGATRON_JOB_FILES"
+    root = tmp_path_factory.mktemp("megatron_jobs")
+    jobs = {f"{name}/{job}": spec for name, m in modules.items() for job, spec in m.megatron_jobs(root / name).items()}
+    ran = run_jobs(jobs, root, slow=wants_slow(request.config))
+    return {name: {job.split("/")[1]: got for job, got in ran.items() if job.split("/")[0] == name} for name in modules}
+
+
+@pytest.fixture(scope="module")
+def ran(request, megatron_runs) -> dict:
+    """This module's share of megatron_runs: {job: the worker's merged result, or its failure}."""
+    return megatron_runs[request.module.__name__]
 
 
 def _built_once(tmp_path_factory, name: str, build) -> Path:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from megatron_helpers import Job, random_batch, result, run_jobs, save_case, tiny_hf_model, wants_slow
+from megatron_helpers import Job, random_batch, result, save_case, tiny_hf_model
 
 # dp2 in bf16, the GPU configs' precision: the distributed optimizer's checkpoint of a bf16 model (fp32 main
 # params and Adam moments beside bf16 weights)
@@ -15,16 +17,13 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ran(request, tmp_path_factory) -> dict:
-    """The resume checks of every layout, one launch per world size: {layout: merged result, or its failure}."""
-    root = tmp_path_factory.mktemp("runs")
+def megatron_jobs(root: Path) -> dict[str, Job]:
+    """The resume check of every layout (tests/conftest.py megatron_runs runs them)."""
     case = save_case(tiny_hf_model("qwen2", seed=5, vocab_size=250), random_batch(8, 16, 250, seed=4), root / "c")
-    jobs = {
+    return {
         name: Job(nproc, case, ("--mode", "resume", "optim.warmup_steps=5", *overrides), slow=True)
         for name, (nproc, overrides) in LAYOUTS.items()
     }
-    return run_jobs(jobs, root, slow=wants_slow(request.config))
 
 
 @pytest.mark.slow  # ~20 s for the single process: several policies, checkpoints and a damaged one

@@ -299,12 +299,29 @@ def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resume
     same_up_to_fp32_sums([comparable(m) for m in metrics(ref_run)], [comparable(m) for m in lines[:2]])
 
 
-def test_ray_binds_each_worker_to_its_gpu_and_refuses_what_cannot_run(ray_cluster, tmp_path):
-    """--print-only on the node that declares two GPUs: Ray gives each worker one; each trainer would see both in
-    local-rank order, so its cuda:LOCAL_RANK is the one Ray gave it. No cluster at the address, or more nodes than
-    the cluster has: one error line within 30 s, nothing started."""
+def _refused(env: dict[str, str], address: str, *args: str, message: str) -> None:
+    """`launch ray` at address exits 1 within 30 s with the one line message (and whatever follows it on that line)."""
     import time
 
+    start = time.time()
+    cmd = [sys.executable, "-m", "megatron_dapo.launch", "ray", "--address", address, *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert time.time() - start < 30 and done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().startswith(message) and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_ray_without_a_cluster_at_the_address_is_one_error_line():
+    with socket.socket() as s:  # a port nobody listens on once this is closed
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    _refused({**os.environ}, closed, "--nodes", "1", message=f"error: --address {closed}: no Ray cluster answers there")
+
+
+@pytest.mark.slow  # the two-raylet cluster's start (~17 s) is most of it
+def test_ray_binds_each_worker_to_its_gpu_and_refuses_more_nodes_than_the_cluster_has(ray_cluster, tmp_path):
+    """--print-only on the node that declares two GPUs: Ray gives each worker one; each trainer would see both in
+    local-rank order, so its cuda:LOCAL_RANK is the one Ray gave it. More nodes than the cluster has: one error line
+    within 30 s, nothing started."""
     out = tmp_path / "print.out"
     proc = _launch_ray(ray_cluster, out, "--nodes", "1", "--gpus-per-node", "2", "--print-only")
     text = _ray_finished(proc, out, tmp_path / "none", timeout=120)
@@ -314,18 +331,6 @@ def test_ray_binds_each_worker_to_its_gpu_and_refuses_what_cannot_run(ray_cluste
     for local, gpu, visible in workers:
         assert visible.split(",")[int(local)] == gpu and len(visible.split(",")) == 2
     assert "[launch] every worker runs: python -m megatron_dapo.train" in text
-
-    with socket.socket() as s:  # a port nobody listens on once this is closed
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"
-    cases = [
-        (closed, ["--nodes", "1"], f"error: --address {closed}: no Ray cluster answers there"),
-        (ray_cluster.address, ["--nodes", "3", "--gpus-per-node", "1", "--gpu-resource", RESOURCE],
-         f"error: --nodes 3 --gpus-per-node 1: the Ray cluster has 2 node(s) with 1 {RESOURCE} (per node: "),
-    ]  # fmt: skip
-    for address, args, message in cases:
-        start = time.time()
-        cmd = [sys.executable, "-m", "megatron_dapo.launch", "ray", "--address", address, *args]
-        done = subprocess.run(cmd, env=ray_cluster.env, capture_output=True, text=True, timeout=60)
-        assert time.time() - start < 30 and done.returncode == 1, done.stderr[-3000:]
-        assert done.stderr.strip().startswith(message) and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    args = ["--nodes", "3", "--gpus-per-node", "1", "--gpu-resource", RESOURCE]
+    message = f"error: --nodes 3 --gpus-per-node 1: the Ray cluster has 2 node(s) with 1 {RESOURCE} (per node: "
+    _refused(ray_cluster.env, ray_cluster.address, *args, message=message)

@@ -1,13 +1,14 @@
 """The Megatron policy against Hugging Face transformers, the train step's sign, and layout checks.
 
 Megatron runs in torchrun subprocesses (its global state and the CPU patches stay out of
-the test process), every check of the file one job of two launches (1 and 2 processes); the reference is
-transformers' own model with the same weights.
+the test process), every check of the file a job of the test run's two launches (1 and 2 processes,
+tests/conftest.py megatron_runs); the reference is transformers' own model with the same weights.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +17,8 @@ from megatron_helpers import (
     hf_response_logprobs,
     random_batch,
     result,
-    run_jobs,
     save_case,
     tiny_hf_model,
-    wants_slow,
 )
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
@@ -56,10 +55,8 @@ def advantage_batch(sign: float) -> list[dict]:
     return batch
 
 
-@pytest.fixture(scope="module")
-def ran(request, tmp_path_factory) -> dict:
-    """Every worker run of this file: {name: the worker's merged result, or its failure}."""
-    root = tmp_path_factory.mktemp("runs")
+def megatron_jobs(root: Path) -> dict[str, Job]:
+    """Every worker run of this file (tests/conftest.py megatron_runs runs them)."""
     jobs = {}
     # entropy in chunks of 5 (tp2: 10) positions of the 256 padded columns: uneven chunk boundaries in every row set
     chunk = ("--entropy-chunk-elements", "1280")
@@ -71,7 +68,7 @@ def ran(request, tmp_path_factory) -> dict:
     for sign in (1.0, -1.0):
         case = save_case(tiny_hf_model("qwen2", seed=4, vocab_size=VOCAB), advantage_batch(sign), root / f"c{sign}")
         jobs[f"steps{sign}"] = Job(1, case, ("--mode", "steps", "--steps", "3", "--temperature", "1.0"))
-    return run_jobs(jobs, root, slow=wants_slow(request.config))
+    return jobs
 
 
 @pytest.mark.parametrize(

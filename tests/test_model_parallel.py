@@ -7,13 +7,15 @@ the ratio metrics, the clipped gradients and AdamW's first step must match it; t
 match the 1-process run at fp32 tolerances. The token-mean check: one mini-batch split into 1, 2 or 4 micro-batches,
 and over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail).
 
-Every run of the file is one job of two torchrun launches (1 and 2 processes; tests/megatron_helpers.py run_jobs).
+Every run of the file is a job of the test run's two torchrun launches (1 and 2 processes; tests/conftest.py
+megatron_runs).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +24,8 @@ from megatron_helpers import (
     hf_response_logprobs,
     random_batch,
     result,
-    run_jobs,
     save_case,
     tiny_hf_model,
-    wants_slow,
 )
 
 from megatron_dapo.convert.layouts import megatron_to_hf
@@ -52,8 +52,8 @@ def batch():
 
 
 @pytest.fixture(scope="module")
-def case(model, batch, tmp_path_factory):
-    return save_case(model, batch, tmp_path_factory.mktemp("case"))
+def arch(model) -> ModelArch:
+    return ModelArch.from_hf_config(model.config.to_dict())
 
 
 PIPELINES = {  # name: (family, tied, layers, overrides), each against its own 1-process run
@@ -66,10 +66,9 @@ def budget(samples: int) -> str:
     return f"train.max_tokens_per_microbatch={samples * SEQ}"
 
 
-@pytest.fixture(scope="module")
-def ran(case, request, tmp_path_factory) -> dict:
-    """Every train step of this file: {run name: the worker's merged result, or its failure}."""
-    root = tmp_path_factory.mktemp("runs")
+def megatron_jobs(root: Path) -> dict[str, Job]:
+    """Every train step of this file (tests/conftest.py megatron_runs runs them): the module's model and batch."""
+    case = save_case(tiny_hf_model("qwen2"), random_batch(8, SEQ, 250), root / "case")
 
     def train(nproc: int, *overrides: str, on=case, slow: bool = False) -> Job:
         # every 2-process launch is make test's only, as in the other Megatron files: ~12 s a launch
@@ -95,7 +94,7 @@ def ran(case, request, tmp_path_factory) -> dict:
         own = save_case(model, random_batch(8, SEQ, 250, seed=2), root / f"case-{name}")
         jobs[f"{name}-ref"] = train(1, budget(2), on=own, slow=True)  # 4 micro-batches: the schedules interleave
         jobs[name] = train(2, budget(2), *overrides, on=own, slow=True)
-    return run_jobs(jobs, root, slow=wants_slow(request.config))
+    return jobs
 
 
 def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict:
@@ -159,7 +158,7 @@ def expected(model, batch):
     return dapo_float64(model, batch)
 
 
-def assert_matches_float64(want: dict, got: dict, case, what: str) -> None:
+def assert_matches_float64(want: dict, got: dict, arch: ModelArch, what: str) -> None:
     m = got["metrics"]
     assert m["actor/update_applied"] == 1.0 and m["actor/lr"] == LR, what
     assert m["actor/normalizer"] == want["tokens"] and m["actor/tokens"] == want["tokens"], what
@@ -169,7 +168,6 @@ def assert_matches_float64(want: dict, got: dict, case, what: str) -> None:
         sure, near = want[f"clip_{side}"]
         count = round(m[f"actor/clip_frac_{side}"] * want["tokens"])
         assert sure <= count <= sure + near, f"{what} clip_{side}: {count} tokens, expected {sure} (+ {near} near)"
-    arch = ModelArch.from_hf_dir(case)
     for key, rtol, atol in (("grads", 1e-5, 3e-7), ("weights", 0.0, 5e-7)):  # observed: 4e-8 and 8e-8 at most
         hf = {n: t.double() for name, full in got[key].items() for n, t in megatron_to_hf(name, full, arch)}
         assert hf.keys() == want[key].keys(), what
@@ -192,18 +190,18 @@ def reference(ran):
     return result(ran, "ref")
 
 
-def test_one_process_step_matches_float64_transformers(reference, expected, case):
+def test_one_process_step_matches_float64_transformers(reference, expected, arch):
     """Clip bounds wired to the wrong fields, the overlong mask lost, grads rescaled or AdamW misconfigured all fail."""
     assert expected["clip_low"][0] > 0 and expected["clip_high"][0] > 0  # the noise exercises both clips
-    assert_matches_float64(expected, reference, case, "1 process")
+    assert_matches_float64(expected, reference, arch, "1 process")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2"])
-def test_two_process_layouts_match_one_process(case, reference, expected, ran, name):
+def test_two_process_layouts_match_one_process(arch, reference, expected, ran, name):
     got = result(ran, name)
     assert_same(reference, got, name)
-    assert_matches_float64(expected, got, case, name)
+    assert_matches_float64(expected, got, arch, name)
 
 
 @pytest.mark.slow
@@ -216,21 +214,21 @@ def test_distributed_optimizer_over_dp2_gives_the_same_weights(reference, ran):
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
-def test_token_mean_is_global_across_micro_batches(case, reference, expected, ran, microbatches):
+def test_token_mean_is_global_across_micro_batches(arch, reference, expected, ran, microbatches):
     got = result(ran, f"mb{microbatches}")
     assert_same(reference, got, f"{microbatches} micro-batches")
-    assert_matches_float64(expected, got, case, f"{microbatches} micro-batches")
+    assert_matches_float64(expected, got, arch, f"{microbatches} micro-batches")
 
 
 @pytest.mark.slow
-def test_token_mean_is_global_across_micro_batches_and_dp(case, reference, expected, ran):
+def test_token_mean_is_global_across_micro_batches_and_dp(arch, reference, expected, ran):
     # 2 DP ranks x 2 micro-batches each: the normaliser spans all four
     got = result(ran, "dp2-mb2")
     assert_same(reference, got, "dp2 x 2 micro-batches")
-    assert_matches_float64(expected, got, case, "dp2 x 2 micro-batches")
+    assert_matches_float64(expected, got, arch, "dp2 x 2 micro-batches")
 
 
-def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, ran):
+def test_truncated_is_weights_reach_the_loss(model, batch, arch, expected, ran):
     """Rollout logprobs and algorithm.tis_cap: the loss and gradients are those of the IS-weighted loss in float64.
 
     Two micro-batches, so each must carry its own samples' rollout logprobs; the cap changes the loss, so a loss
@@ -243,7 +241,7 @@ def test_truncated_is_weights_reach_the_loss(model, batch, case, expected, ran):
     for other in (expected, uncapped):  # far beyond the rel=1e-5 the comparison allows
         assert abs(want["loss"] - other["loss"]) > 1e-2 * abs(want["loss"])
     got = result(ran, "tis")
-    assert_matches_float64(want, got, case, "truncated IS")
+    assert_matches_float64(want, got, arch, "truncated IS")
 
 
 @pytest.mark.slow

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from megatron_helpers import Job, random_batch, result, run_jobs, run_worker, save_case, tiny_hf_model, wants_slow
+from megatron_helpers import Job, random_batch, result, run_worker, save_case, tiny_hf_model
 
 BUCKET = 70_000  # bytes: just over the embedding, so many buckets of a few tensors each
 LAYOUTS = {  # name: (family, tied, nproc, overrides)
@@ -15,17 +17,15 @@ LAYOUTS = {  # name: (family, tied, nproc, overrides)
 }
 
 
-@pytest.fixture(scope="module")
-def ran(request, tmp_path_factory) -> dict:
-    """Every sync of this file but the memory test's, one launch per world size: {name: result, or its failure}."""
-    root = tmp_path_factory.mktemp("runs")
+def megatron_jobs(root: Path) -> dict[str, Job]:
+    """Every sync of this file but the memory test's (tests/conftest.py megatron_runs runs them)."""
     jobs = {}
     for name, (family, tied, nproc, overrides) in LAYOUTS.items():
         case = save_case(tiny_hf_model(family, seed=9, vocab_size=250, tied=tied), random_batch(2, 8, 250), root / name)
         jobs[name] = Job(nproc, case, ("--mode", "bridge", f"rollout.bucket_bytes={BUCKET}", *overrides), nproc > 1)
     small = save_case(tiny_hf_model("qwen2", vocab_size=250), random_batch(2, 8, 250), root / "small-bucket")
     jobs["small-bucket"] = Job(1, small, ("--mode", "bridge", "rollout.bucket_bytes=1000"))
-    return run_jobs(jobs, root, slow=wants_slow(request.config))
+    return jobs
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "tp1" else []) for n in LAYOUTS])
