@@ -205,6 +205,7 @@ def test_bench_throughput_tiny_measures_every_part(tmp_path):
     assert got["rollout_weights"] == "none" and got["rollout_logp_mismatch_mean"] < 1e-4 and got["rollout_kl"] < 1e-6
 
 
+@pytest.mark.slow  # ~16 s: a Megatron train step and sync in a process of its own
 def test_bench_throughput_without_vllm_skips_rollout_and_step_and_sizes_an_fp8_sync(tmp_path):
     """Without vLLM (`import vllm` fails, as on the GPU box before its wheels are in): rollout and step are skipped
     with the reason, train and sync measured into a counting sink. With rollout.quantization=fp8 (one launch for
