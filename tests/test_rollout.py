@@ -87,6 +87,29 @@ def test_engine_satisfies_the_interface(engine):
     assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in engine.stats.values()), engine.stats
 
 
+def test_the_cpu_kv_cache_holds_a_full_batch_of_full_length_sequences_and_no_more(engine, model_dir, tmp_path):
+    """Sized to the model, read back from the running engine: 256 sequences x 256 tokens x K and V x the layers x
+    the KV heads x head_dim x 4 bytes (fp32), 32 MiB here where it was a fixed 1 GiB. At most 1 GiB for a big model,
+    and 1 GiB where config.json does not give the attention's shape; half as much in bf16; lengths round up to 128."""
+    import json
+
+    from megatron_dapo.rollout.vllm_env import cpu_kv_cache_bytes
+
+    c = json.loads((model_dir / "config.json").read_text())
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
+    assert engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 256 * 256 * per_token * 4
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 256
+    assert cpu_kv_cache_bytes(str(model_dir), "bf16", 200) == 256 * 256 * per_token * 2
+    big = {"num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "num_hidden_layers": 80}
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(big))
+    assert cpu_kv_cache_bytes(str(tmp_path / "big"), "bfloat16", 4096) == 1 << 30
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"n_layer": 2}))
+    for where in ("Qwen/Qwen2.5-0.5B", str(tmp_path / "odd")):
+        assert cpu_kv_cache_bytes(where, "fp32", 256) == 1 << 30
+
+
 def test_greedy_matches_transformers_generate(engine, hf_model, tok, prompts):
     """Greedy tokens, text and logprobs are transformers'; and nothing is compiled on CPU: vLLM torch.compiles a
     helper of its sampler on a process's first sampled step (seconds of Inductor at every engine start)."""

