@@ -65,8 +65,16 @@ def pytest_runtest_makereport(item, call):
 
 
 # The files whose megatron_worker.py jobs share the test run's torchrun launches (megatron_runs, below): xdist hands
-# them out as one unit, so they run on one worker, one after another.
-MEGATRON_JOB_FILES = ("test_checkpoint.py", "test_model.py", "test_model_parallel.py", "test_weight_bridge.py")
+# them out as one unit, so they run on one worker, one after another. Their jobs run in this order: the ones that
+# start a vLLM engine last, since each rank keeps its engine until the launch ends (megatron_worker._ENGINES).
+MEGATRON_JOB_FILES = (
+    "test_checkpoint.py",
+    "test_model.py",
+    "test_model_parallel.py",
+    "test_weight_bridge.py",
+    "test_rollout_sync.py",
+    "test_smollm2.py",
+)
 
 # The longest files, longest first (benchmarks/RESULTS.md, the suite's durations): `--dist loadfile
 # --no-loadscope-reorder` (the Makefile) hands whole files to whichever worker is free in collection order, so a long
@@ -79,9 +87,7 @@ LONGEST_FILES = (
     MEGATRON_JOB_FILES,  # the longest of make test-fast
     "test_convert.py",
     "test_preflight.py",
-    "test_rollout_sync.py",
     "test_fp8.py",
-    "test_smollm2.py",
     "test_tools_bench.py",
     "test_demo.py",
     "test_reward_fuzz.py",
@@ -115,13 +121,16 @@ def pytest_xdist_make_scheduler(config, log):
 def megatron_runs(request, tmp_path_factory) -> dict[str, dict]:
     """{test module: {job: the worker's merged result, or its failure}} for every collected test file that defines
     `megatron_jobs(root) -> {job: Job}`: all their jobs in one torchrun launch per world size, so torch and Megatron
-    are imported once for the files, not once per file. Jobs marked slow run only where the run keeps slow tests."""
+    are imported once for the files, not once per file, in MEGATRON_JOB_FILES' order. Jobs marked slow run only where
+    the run keeps slow tests."""
     from megatron_helpers import run_jobs, wants_slow
 
     collected = [getattr(item, "module", None) for item in request.session.items]
     modules = {m.__name__: m for m in collected if hasattr(m, "megatron_jobs")}
     stray = sorted(m.__file__ for m in modules.values() if Path(m.__file__).name not in MEGATRON_JOB_FILES)
     assert not stray, f"{stray} define megatron_jobs: add them to tests/conftest.py MEGATRON_JOB_FILES"
+    order = {name: i for i, name in enumerate(MEGATRON_JOB_FILES)}
+    modules = dict(sorted(modules.items(), key=lambda kv: order[Path(kv[1].__file__).name]))
     root = tmp_path_factory.mktemp("megatron_jobs")
     jobs = {f"{name}/{job}": spec for name, m in modules.items() for job, spec in m.megatron_jobs(root / name).items()}
     ran = run_jobs(jobs, root, slow=wants_slow(request.config))
