@@ -2,6 +2,7 @@
 every test run builds once for all its workers: the tiny model and the 2-step run the end-to-end tests compare with."""
 
 import fcntl
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -120,20 +121,25 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="session")
 def megatron_runs(request, tmp_path_factory) -> dict[str, dict]:
     """{test module: {job: the worker's merged result, or its failure}} for every collected test file that defines
-    `megatron_jobs(root) -> {job: Job}`: all their jobs in one torchrun launch per world size, so torch and Megatron
-    are imported once for the files, not once per file, in MEGATRON_JOB_FILES' order. Jobs marked slow run only where
-    the run keeps slow tests."""
-    from megatron_helpers import run_jobs, wants_slow
+    `megatron_jobs(root, *session_fixtures) -> {job: Job}`: all their jobs in one torchrun launch per world size, so
+    torch and Megatron are imported once for the files, not once per file, in MEGATRON_JOB_FILES' order. A file's jobs marked slow run
+    only where one of its slow tests is collected."""
+    from megatron_helpers import run_jobs
 
-    collected = [getattr(item, "module", None) for item in request.session.items]
-    modules = {m.__name__: m for m in collected if hasattr(m, "megatron_jobs")}
+    items = [item for item in request.session.items if hasattr(getattr(item, "module", None), "megatron_jobs")]
+    modules = {item.module.__name__: item.module for item in items}
     stray = sorted(m.__file__ for m in modules.values() if Path(m.__file__).name not in MEGATRON_JOB_FILES)
     assert not stray, f"{stray} define megatron_jobs: add them to tests/conftest.py MEGATRON_JOB_FILES"
     order = {name: i for i, name in enumerate(MEGATRON_JOB_FILES)}
     modules = dict(sorted(modules.items(), key=lambda kv: order[Path(kv[1].__file__).name]))
     root = tmp_path_factory.mktemp("megatron_jobs")
-    jobs = {f"{name}/{job}": spec for name, m in modules.items() for job, spec in m.megatron_jobs(root / name).items()}
-    ran = run_jobs(jobs, root, slow=wants_slow(request.config))
+    jobs = {}
+    for name, m in modules.items():  # megatron_jobs(root, *fixtures): the session fixtures it names, as a test's
+        fixtures = {f: request.getfixturevalue(f) for f in list(inspect.signature(m.megatron_jobs).parameters)[1:]}
+        slow = any(i.get_closest_marker("slow") for i in items if i.module is m)  # a slow test of m is collected
+        listed = m.megatron_jobs(root / name, **fixtures).items()
+        jobs.update({f"{name}/{job}": spec for job, spec in listed if slow or not spec.slow})
+    ran = run_jobs(jobs, root)
     return {name: {job.split("/")[1]: got for job, got in ran.items() if job.split("/")[0] == name} for name in modules}
 
 

@@ -95,7 +95,7 @@ def hf_response_logprobs(model, sample: dict, temperature: float) -> tuple[torch
 @dataclass(frozen=True)
 class Job:
     """One check of megatron_worker.py: the world it needs, its case directory and the worker's other arguments.
-    slow: left out when the run deselects the slow tests (make test-fast)."""
+    slow: left out unless a slow test of its file is collected (tests/conftest.py megatron_runs)."""
 
     nproc: int
     case: Path
@@ -103,17 +103,12 @@ class Job:
     slow: bool = False
 
 
-def wants_slow(config) -> bool:
-    """Whether this pytest run keeps the tests marked slow (make test-fast passes -m "not slow")."""
-    return "not slow" not in (config.option.markexpr or "")
-
-
-def run_jobs(jobs: dict[str, Job], out: Path, slow: bool = True) -> dict[str, dict | str]:
-    """Every job (the slow ones only if slow), one torchrun launch per world size, the jobs of a launch one after
-    another in the same processes: {name: its rank files merged (see merge), or the text of its failure}."""
+def run_jobs(jobs: dict[str, Job], out: Path) -> dict[str, dict | str]:
+    """Every job, one torchrun launch per world size, the jobs of a launch one after another in the same processes:
+    {name: its rank files merged (see merge), or the text of its failure}."""
     results: dict[str, dict | str] = {}
     for nproc in sorted({j.nproc for j in jobs.values()}):
-        batch = {n: j for n, j in jobs.items() if j.nproc == nproc and (slow or not j.slow)}
+        batch = {n: j for n, j in jobs.items() if j.nproc == nproc}
         if not batch:
             continue
         argv = [["--case", str(j.case), "--out", str(out / name), *j.args] for name, j in batch.items()]

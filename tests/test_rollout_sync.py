@@ -15,16 +15,14 @@ import torch
 from megatron_helpers import Job, random_batch, result, save_case
 from rollout_helpers import load_hf_model
 
-from megatron_dapo.model.tiny import build_tiny_qwen2
-
 # different steps: whatever the second job's bridge failed to send would still hold the first job's weights
 LAYOUTS = {"tp2": ("parallel.tp=2", "optim.lr=0.05"), "pp2": ("parallel.pp=2", "optim.lr=0.08")}
 
 
-def megatron_jobs(root: Path) -> dict[str, Job]:
+def megatron_jobs(root: Path, tiny_qwen2) -> dict[str, Job]:
     """TP=2 and PP=2, one after the other in the test run's launch of two ranks, each rank's engine kept between
     them (each job first syncs its own starting weights into it; tests/conftest.py megatron_runs)."""
-    case = build_tiny_qwen2(root / "case", seed=1)
+    case = tiny_qwen2(seed=1, copy_to=root / "case")
     model = load_hf_model(case)
     save_case(model, random_batch(4, 10, model.config.vocab_size, seed=3), case)
     common = ("--mode", "vllm", "rollout.bucket_bytes=300000")

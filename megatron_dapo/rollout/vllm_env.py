@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
+
 SUPPORTED_VLLM = ">=0.25.0,<0.34"
 """vLLM releases this engine was checked against: 0.25.0 (the GPU machine's torch 2.11 build) to 0.33.x (the newest)."""
 
@@ -55,7 +57,7 @@ def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int) -> int:
         layers = int(config["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError):
         return CPU_KV_CACHE_MAX_BYTES
-    element = 4 if dtype in ("fp32", "float32") else 2
+    element = getattr(torch, HF_DTYPE_NAMES.get(dtype, dtype), torch.bfloat16).itemsize
     tokens = -(-max_model_len // 128) * 128
     return min(CPU_KV_CACHE_MAX_BYTES, 2 * layers * kv_heads * head_dim * element * tokens * CPU_MAX_NUM_SEQS)
 
