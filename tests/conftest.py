@@ -53,6 +53,40 @@ def seed(request) -> int:
     return value
 
 
+@pytest.fixture
+def run_main(capsys):
+    """run_main(main, argv) -> (exit code, stderr's lines but the INFO log lines): a command's main() in this process.
+
+    For the error paths, which fail before anything heavy starts (a process launch costs seconds of imports). What
+    main() sets for its process is put back after it: signal handlers, the root logger and the libraries' log levels
+    (cli.quiet_libraries), warning filters, the environment.
+    """
+    import logging
+    import signal
+    import warnings
+
+    from megatron_dapo.cli import LIBRARIES
+
+    def run(main, argv: list[str]) -> tuple[int, list[str]]:
+        signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+        loggers = [logging.getLogger(name) for name in ("", *LIBRARIES)]
+        levels, handlers, env = [x.level for x in loggers], list(loggers[0].handlers), dict(os.environ)
+        try:
+            with warnings.catch_warnings():
+                code = main(list(argv))
+        finally:
+            for sig, handler in signals.items():
+                signal.signal(sig, handler)
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+            loggers[0].handlers[:] = handlers
+            os.environ.clear()
+            os.environ.update(env)
+        return code, [x for x in capsys.readouterr().err.splitlines() if x.strip() and " INFO " not in x]
+
+    return run
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -19,9 +19,12 @@ OUT gets the trained policy's weights as full Hugging Face tensors (what the che
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +38,15 @@ def run_tool(tool: str, *args: str, timeout: int = 300) -> subprocess.CompletedP
     """Run tools/{tool}.py with args; returns the finished process (stdout and stderr as text)."""
     cmd = [sys.executable, str(TOOLS / f"{tool}.py"), *args]
     return subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+@functools.cache
+def tool_module(tool: str) -> types.ModuleType:
+    """tools/{tool}.py imported as a module (for its main(argv) in the test's process), once."""
+    spec = importlib.util.spec_from_file_location(f"tools.{tool}", TOOLS / f"{tool}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_all_ok(runs: list[tuple[str, list[str]]], timeout: int = 300) -> list[str]:

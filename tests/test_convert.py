@@ -1,7 +1,7 @@
 """HF <-> Megatron conversion tools: bit-exact round trips at TP=1 and TP=2, logits, training checkpoints, errors.
 
-The tools run through their real command line in subprocesses (Megatron stays out of pytest's
-process). Tiny models, each converted once (the converter's processes are most of this file's time):
+The conversions run through the tools' real command line in subprocesses (Megatron stays out of pytest's
+process); their refusals, which come before any model is built, run the tools' main() in the test's process. Tiny models, each converted once (the converter's processes are most of this file's time):
 Qwen2 with untied embeddings and QKV bias in one safetensors file at TP=2 (the bias and the vocabulary
 sharded), vocabulary 300 so that its padding differs between TP=1 (384) and TP=2 (512) and the TP=2 ->
 TP=1 load must reshard the vocabulary too; Llama with tied embeddings in sharded safetensors at TP=1. A
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_helpers import megatron_logits, run_all_ok, run_tool, training_checkpoint
+from convert_helpers import megatron_logits, run_all_ok, tool_module, training_checkpoint
 from megatron_helpers import tiny_hf_model
 
 from megatron_dapo.convert.common import ConvertError, parse_size
@@ -199,7 +199,7 @@ def test_a_training_run_converts_to_the_weights_its_checkpoint_holds(training_ru
 
 
 @pytest.mark.slow
-def test_which_training_step_is_converted_and_refusals(training_run, hf_models, megatron_ckpts, tmp_path):
+def test_which_training_step_is_converted_and_refusals(training_run, hf_models, megatron_ckpts, tmp_path, run_main):
     run, _ = training_run
     src = hf_models["qwen2"][0]
     step1 = run / "checkpoints" / "step_00000001"
@@ -240,7 +240,7 @@ def test_which_training_step_is_converted_and_refusals(training_run, hf_models, 
 
     # through the command line: one 'error:' line naming the checkpoint and what to pass
     (ckpts / "step_00000002" / "COMPLETE").write_text("2\n")
-    err = _fails("convert_megatron_to_hf", "--megatron", str(ckpts), "--out", str(tmp_path / "out"))
+    err = _fails(run_main, "convert_megatron_to_hf", "--megatron", str(ckpts), "--out", str(tmp_path / "out"))
     assert err.startswith("error: ") and str(ckpts / "step_00000002") in err and "--hf-config" in err
     assert not (tmp_path / "out").exists()
 
@@ -248,25 +248,27 @@ def test_which_training_step_is_converted_and_refusals(training_run, hf_models, 
 # ---------------------------------------------------------------- refusals and errors
 
 
-def _fails(tool: str, *args: str) -> str:
-    proc = run_tool(tool, *args)
-    assert proc.returncode != 0, proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.stderr
+def _fails(run_main, tool: str, *args: str) -> str:
+    """The tool's one `error:` line (its main() in this process: the checks come before a model is built)."""
+    code, err = run_main(tool_module(tool).main, list(args))
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
 
 
 @pytest.mark.slow
-def test_refuses_a_non_empty_output_without_force(hf_models, megatron_ckpts, tmp_path):
+def test_refuses_a_non_empty_output_without_force(hf_models, megatron_ckpts, tmp_path, run_main):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    err = _fails("convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(out))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(out))
     assert "not empty" in err and "--force" in err
-    err = _fails("convert_megatron_to_hf", "--megatron", str(megatron_ckpts[("llama", 1)][0]), "--out", str(out))
+    llama = str(megatron_ckpts[("llama", 1)][0])
+    err = _fails(run_main, "convert_megatron_to_hf", "--megatron", llama, "--out", str(out))
     assert "not empty" in err and "--force" in err
     assert (out / "keep.txt").read_text() == "mine"
     src = hf_models["qwen2"][0]  # --force never deletes the input
-    assert "input directory" in _fails("convert_hf_to_megatron", "--hf", str(src), "--out", str(src), "--force")
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(src), "--out", str(src), "--force")
+    assert "input directory" in err
 
 
 def _copy_without(src: Path, dst: Path, *names: str) -> Path:
@@ -274,61 +276,63 @@ def _copy_without(src: Path, dst: Path, *names: str) -> Path:
     return dst
 
 
-def test_missing_files(hf_models, tmp_path):
+def test_missing_files(hf_models, tmp_path, run_main):
     src = hf_models["qwen2"][0]
-    err = _fails("convert_hf_to_megatron", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o1"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o1"))
     assert "nowhere" in err and "no such directory" in err
     no_config = _copy_without(src, tmp_path / "no_config", "config.json")
-    assert "config.json" in _fails("convert_hf_to_megatron", "--hf", str(no_config), "--out", str(tmp_path / "o2"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(no_config), "--out", str(tmp_path / "o2"))
+    assert "config.json" in err
     no_weights = _copy_without(src, tmp_path / "no_weights", "*.safetensors")
-    err = _fails("convert_hf_to_megatron", "--hf", str(no_weights), "--out", str(tmp_path / "o3"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(no_weights), "--out", str(tmp_path / "o3"))
     assert "no *.safetensors" in err and "no_weights" in err
-    err = _fails("convert_megatron_to_hf", "--megatron", str(src), "--out", str(tmp_path / "o4"))
+    err = _fails(run_main, "convert_megatron_to_hf", "--megatron", str(src), "--out", str(tmp_path / "o4"))
     assert "not a megatron-dapo checkpoint" in err and "megatron_dapo.json" in err
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, run_main):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=2, n_embd=64, n_head=4, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
-    err = _fails("convert_hf_to_megatron", "--hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "out"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "out"))
     assert "GPT2LMHeadModel" in err and "architectures" in err and "config.json" in err
 
 
-def test_tensor_shape_mismatch_and_missing_tensor(hf_models, tmp_path):
+def test_tensor_shape_mismatch_and_missing_tensor(hf_models, tmp_path, run_main):
     from safetensors.torch import save_file
 
     src = hf_models["qwen2"][0]
     tensors = dict(SafetensorsReader(src))
     bad = _copy_without(src, tmp_path / "bad", "*.safetensors")
     save_file({**tensors, "model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)}, bad / "model.safetensors")
-    err = _fails("convert_hf_to_megatron", "--hf", str(bad), "--out", str(tmp_path / "o1"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(bad), "--out", str(tmp_path / "o1"))
     assert "model.layers.1.self_attn.k_proj.weight" in err and "(16, 64)" in err and "(32, 64)" in err
 
     missing = _copy_without(src, tmp_path / "missing", "*.safetensors")
     tensors.pop("model.layers.0.mlp.up_proj.weight")
     save_file(tensors, missing / "model.safetensors")
-    err = _fails("convert_hf_to_megatron", "--hf", str(missing), "--out", str(tmp_path / "o2"))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(missing), "--out", str(tmp_path / "o2"))
     assert "model.layers.0.mlp.up_proj.weight" in err
 
 
-def test_tp_must_divide_the_query_groups(hf_models, tmp_path):
-    err = _fails(
-        "convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(tmp_path / "o"), "--tp", "4"
-    )
+def test_tp_must_divide_the_query_groups(hf_models, tmp_path, run_main):
+    src = str(hf_models["qwen2"][0])
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", src, "--out", str(tmp_path / "o"), "--tp", "4")
     assert "parallel.tp=4" in err and "2 query groups" in err
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("tool", ["convert_hf_to_megatron", "convert_megatron_to_hf"])
-def test_help(tool):
-    proc = run_tool(tool, "--help")
-    assert proc.returncode == 0
+def test_help(tool, capsys):
+    with pytest.raises(SystemExit) as done:
+        tool_module(tool).main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
     flags = ("--hf", "--tp", "--pp") if "hf_to" in tool else ("--megatron", "--hf-config")
     for flag in ("--out", "--dtype", "--force", *flags):
-        assert flag in proc.stdout, flag
+        assert flag in out, flag
     if tool == "convert_megatron_to_hf":
-        assert "--max-shard-size" in proc.stdout
+        assert "--max-shard-size" in out
 
 
 # ---------------------------------------------------------------- helpers in process

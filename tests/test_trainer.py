@@ -349,12 +349,8 @@ def test_sigterm_during_start_up_stops_at_once(two_steps, tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "FINISHED").exists()
 
 
-def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, run_main, monkeypatch):
     """Each mistake in this process (all fail before anything starts), --debug in one subprocess."""
-    import logging
-    import signal
-    import warnings
-
     from megatron_dapo.train import main
 
     split = ["pipeline.mode=async", "sampler.max_staleness=0"]
@@ -377,23 +373,13 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
             "pipeline.weights_backend='nccl': expected CUDA in this process",
         ),
     ]
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
-    root = logging.getLogger()
-    saved = root.level, list(root.handlers)
-    try:
-        for args, env, message in cases:
-            with monkeypatch.context() as m, warnings.catch_warnings():  # main() sets warning filters and logging
-                for k, v in env.items():
-                    m.setenv(k, v)
-                code = main([f"trainer.run_dir={tmp_path}", *args])
-            lines = [x for x in capsys.readouterr().err.splitlines() if x.strip() and " INFO " not in x]
-            assert code == 1 and len(lines) == 1, lines
-            assert lines[0].startswith("error: ") and message in lines[0], lines
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        root.setLevel(saved[0])
-        root.handlers[:] = saved[1]
+    for args, env, message in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            code, lines = run_main(main, [f"trainer.run_dir={tmp_path}", *args])
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith("error: ") and message in lines[0], lines
     cmd = [sys.executable, "-m", "megatron_dapo.train", f"trainer.run_dir={tmp_path}", "--debug"]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
