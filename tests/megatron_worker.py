@@ -74,8 +74,12 @@ def main() -> None:
             parallel_state.destroy_model_parallel()
 
 
+_TORCH_COMPILE = torch.compile
+_EAGER: dict = {}  # right after the process's first init_parallel, which imports Megatron (model/cpu_compat.py)
+
+
 def run_job(args: argparse.Namespace, last: bool) -> None:
-    from megatron.core import parallel_state
+    import sys
 
     from megatron_dapo.config import load_config
     from megatron_dapo.model import logprobs
@@ -93,6 +97,10 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     os.makedirs(args.out, exist_ok=True)
     arch = ModelArch.from_hf_dir(args.case)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=1234)
+    from megatron.core import parallel_state
+
+    _EAGER.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)
+    _EAGER.setdefault("torch_compile_restored", torch.compile is _TORCH_COMPILE)
     policy = MegatronPolicy(cfg, arch, layout, torch.load(os.path.join(args.case, "weights.pt")))
 
     batch = torch.load(os.path.join(args.case, "batch.pt"))
@@ -142,6 +150,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         return
     if args.mode == "logprobs":
         result["logprobs"] = first
+        result["eager_megatron"] = dict(_EAGER)
     elif args.mode == "train":
         if first is not None:  # the last pipeline stage computes the loss
             for i, s in enumerate(samples):

@@ -84,6 +84,12 @@ def test_logprobs_and_entropy_match_transformers(ran, name):
         torch.testing.assert_close(g["entropy"].double(), w["entropy"], rtol=0, atol=1e-5)
 
 
+def test_megatron_is_imported_without_compiling_on_cpu(ran):
+    """On CPU a process imports Megatron with its JIT fuser off (model/cpu_compat.py): nothing has imported dynamo
+    by then (~3 s of every Megatron process otherwise) and torch.compile is torch's own again for what comes after."""
+    assert result(ran, "qwen2")["eager_megatron"] == {"dynamo_imported": False, "torch_compile_restored": True}
+
+
 def test_bf16_policy_tracks_fp32_transformers(ran):
     """bf16 (the default precision): same logprobs up to bf16 rounding of weights and activations."""
     got = result(ran, "bf16")

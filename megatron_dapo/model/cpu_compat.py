@@ -12,7 +12,10 @@ patches those, process-wide, so that the same Megatron code path runs on CPU wit
   `torch.cuda.*Tensor` (optimizer and grad-clip asserts check for it);
 - the causal-mask helpers build their masks on CPU (autograd runs backward outside the
   function mode, where activation recompute calls them);
-- the CUDA RNG calls of the RNG tracker use the CPU generator.
+- the CUDA RNG calls of the RNG tracker use the CPU generator;
+- Megatron is imported with its JIT fuser off (`_import_megatron_eager`): its fused paths are off on CPU
+  (model/provider.py), so nothing of it would be compiled, and wrapping its fusions in torch.compile at import
+  costs every process ~3 s of importing dynamo and inductor.
 
 `enable()` does nothing when CUDA is available; call it before building models.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -103,6 +107,28 @@ def _causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
+def _import_megatron_eager() -> None:
+    """Import megatron.core with torch.compile standing as the identity, then turn Megatron's JIT fuser off.
+
+    megatron.core.jit sets `jit_fuser = torch.compile` and its fusion modules decorate with it at import; the first
+    torch.compile call imports torch._dynamo and the inductor backend. A process that imported Megatron already (or
+    imports vLLM, which compiles at import too) is unaffected.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def eager(model=None, **kwargs):  # torch.compile(fn, ...) and torch.compile(...)(fn) alike
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = eager
+    try:
+        import megatron.core.jit
+    finally:
+        torch.compile = compile_
+    megatron.core.jit.disable_jit_fuser()  # for the modules Megatron imports later
+
+
 def enable() -> bool:
     """Apply the patches once (no-op with CUDA). Returns True when the patches are active."""
     global _ENABLED, _MODE
@@ -125,6 +151,7 @@ def enable() -> bool:
     # the CPU generator itself: torch.manual_seed calls torch.cuda.manual_seed_all, which must stay untouched
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
 
+    _import_megatron_eager()
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
