@@ -327,7 +327,12 @@ def test_the_kl_loss_term_matches_float64_written_out(est, mode, seed):
     kl_sum = sum(k for row, m in zip(ks, mask.tolist()) for k, v in zip(row, m) if v)
     assert float(out.stats["kl_sum"]) == pytest.approx(kl_sum, rel=1e-5, abs=1e-5)
     no_pg, _ = run_loss(logp, logp, torch.zeros_like(adv), mask, ref_logp=ref.float(), **kw)  # the KL term alone
-    assert float(out.stats["kl_loss_sum"]) == pytest.approx(float(no_pg.loss_sum), rel=1e-5, abs=1e-6)
+    zero = torch.zeros_like(adv).tolist()
+    kl_total, _, _, kl_tol = ref_policy_loss(
+        lists[0], lists[0], zero, lists[3], 0.2, 0.28, mode=mode, max_len=50, rlp=ref.tolist(), beta=beta, est=est
+    )  # float32 sums of terms up to 20: a fixed 1e-6 failed 0.3% of seeds
+    assert float(out.stats["kl_loss_sum"]) == pytest.approx(kl_total, rel=0, abs=kl_tol)
+    assert float(no_pg.loss_sum) == pytest.approx(kl_total, rel=0, abs=kl_tol)
 
 
 @pytest.mark.parametrize("est", KL_ESTIMATORS)
