@@ -156,8 +156,8 @@ def pytest_xdist_make_scheduler(config, log):
 def megatron_runs(request, tmp_path_factory) -> dict[str, dict]:
     """{test module: {job: the worker's merged result, or its failure}} for every collected test file that defines
     `megatron_jobs(root, *session_fixtures) -> {job: Job}`: all their jobs in one torchrun launch per world size, so
-    torch and Megatron are imported once for the files, not once per file, in MEGATRON_JOB_FILES' order. A file's jobs marked slow run
-    only where one of its slow tests is collected."""
+    torch and Megatron are imported once for the files, not once per file, in MEGATRON_JOB_FILES' order. A file's
+    jobs marked slow run only where one of its slow tests is collected."""
     from megatron_helpers import run_jobs
 
     items = [item for item in request.session.items if hasattr(getattr(item, "module", None), "megatron_jobs")]

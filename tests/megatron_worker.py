@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -53,7 +54,6 @@ def main() -> None:
     its --out as error_rank{RANK}.txt; a lone process goes on with the next job, a world stops (its collectives
     could not)."""
     import json
-    import sys
     import traceback
 
     argv = sys.argv[1:]
@@ -79,8 +79,6 @@ _EAGER: dict = {}  # right after the process's first init_parallel, which import
 
 
 def run_job(args: argparse.Namespace, last: bool) -> None:
-    import sys
-
     from megatron_dapo.config import load_config
     from megatron_dapo.model import logprobs
     from megatron_dapo.model.arch import ModelArch

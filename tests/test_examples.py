@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.util
 import re
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
+from convert_helpers import tool_module
 
 from megatron_dapo.config import Config, ConfigError, load_config
 from megatron_dapo.model.arch import ModelArch
@@ -185,13 +185,6 @@ def test_a_typo_in_any_key_of_an_example_is_an_error(tmp_path):
             load_config(f)
 
 
-def _reference_tool():
-    spec = importlib.util.spec_from_file_location("config_reference", REPO / "tools" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fields(cls: type, prefix: str = "") -> list[str]:
     """Every leaf field of the config tree, dotted."""
     hints = typing.get_type_hints(cls)
@@ -203,7 +196,7 @@ def _fields(cls: type, prefix: str = "") -> list[str]:
 
 
 def test_docs_config_reference_is_current_and_complete():
-    tool = _reference_tool()
+    tool = tool_module("config_reference")
     assert tool.DEFAULT_TARGET == REPO / "docs" / "config.md"
     page = tool.DEFAULT_TARGET.read_text()
     regenerated = tool.replace_between_markers(page, tool.render())
@@ -217,12 +210,12 @@ def test_docs_config_reference_is_current_and_complete():
 def test_readme_links_the_config_reference_and_no_longer_holds_it():
     readme = (REPO / "README.md").read_text()
     assert "(docs/config.md)" in readme
-    tool = _reference_tool()
+    tool = tool_module("config_reference")
     assert tool.BEGIN not in readme and tool.END not in readme
 
 
 def test_reference_write_replaces_only_the_marked_text(tmp_path):
-    tool = _reference_tool()
+    tool = tool_module("config_reference")
     f = tmp_path / "config.md"
     f.write_text(f"# Title\n\n{tool.BEGIN}\nstale\n{tool.END}\n\n## After\n")
     tool.main(["--write", str(f)])
@@ -233,7 +226,7 @@ def test_reference_write_replaces_only_the_marked_text(tmp_path):
 
 
 def test_reference_write_without_a_file_targets_docs_config_md(tmp_path, monkeypatch):
-    tool = _reference_tool()
+    tool = tool_module("config_reference")
     f = tmp_path / "config.md"
     f.write_text(f"{tool.BEGIN}\nstale\n{tool.END}\n")
     monkeypatch.setattr(tool, "DEFAULT_TARGET", f)
