@@ -135,6 +135,38 @@ def _sharded_state(policy, is_loading: bool) -> tuple[dict, dict]:
     return model_sd, {**model_sd, "optimizer": optim_sd}
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint this run cannot take whichever candidate is tried: refused at once, no fallback."""
+
+
+def layer_impl(layout) -> dict[str, str]:
+    """What a checkpoint records of how its layers were built: the layer spec (Transformer Engine's and the local
+    one order their parameters and gradient buckets differently, so the optimizer state maps only onto the same
+    spec) and the core attention (no parameters of its own: a change is only worth a warning)."""
+    return {"transformer_impl": "transformer_engine" if layout.use_te else "local", "attention": layout.attention}
+
+
+def check_layer_impl(saved: Optional[dict], layout, ckpt: Path) -> None:
+    """Refuse a checkpoint saved under the other layer spec; warn when only the attention differs. A checkpoint
+    from before layers were recorded passes (it can only have been saved with the local spec or TE as here)."""
+    if saved is None:
+        return
+    now = layer_impl(layout)
+    if saved["transformer_impl"] != now["transformer_impl"]:
+        raise CheckpointMismatch(
+            f"{ckpt} was saved with model.transformer_impl={saved['transformer_impl']!r} and this run builds "
+            f"{now['transformer_impl']!r} layers (their parameter order differs): resume with "
+            f"model.transformer_impl={saved['transformer_impl']}, or convert it (tools/convert_megatron_to_hf.py)"
+        )
+    if saved["attention"] != now["attention"] and layout.rank == 0:
+        log.warning(
+            "%s was trained with attention %r, this run uses %r: the same parameters, slightly different rounding",
+            ckpt,
+            saved["attention"],
+            now["attention"],
+        )
+
+
 class CheckpointManager:
     """Save, find and load training checkpoints under root, keeping the newest keep_last."""
 
@@ -168,6 +200,7 @@ class CheckpointManager:
                 "scheduler": policy.scheduler.state_dict(),
                 "optimizer_steps": policy.optimizer_steps,
                 "rng": _rng_states(),
+                "layers": layer_impl(policy.layout),
                 "trainer": trainer_state,
             },
             tmp / "state" / f"rank{rank:05d}.pt",
@@ -228,6 +261,8 @@ class CheckpointManager:
         for ckpt in tried:
             try:
                 state = self._load_one(policy, ckpt)
+            except CheckpointMismatch:
+                raise  # every older checkpoint of the run was saved the same way
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - (a BaseException) try the previous one
                 failures.append(f"{ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 log.warning("checkpoint %s is not usable (%s); trying the previous one", ckpt, failures[-1])
@@ -251,6 +286,7 @@ class CheckpointManager:
                 "convert it (tools/convert_megatron_to_hf.py) to change the layout"
             )
         state = torch.load(rank_file, weights_only=False)
+        check_layer_impl(state.get("layers"), layout, ckpt)
         _ensure_optimizer_state(policy.optimizer)
         model_sd, sharded = _sharded_state(policy, is_loading=True)
         with torch.no_grad():

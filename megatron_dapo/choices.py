@@ -38,3 +38,8 @@ VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
 
 ROLLOUT_QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization: the rollout engine's weights as the policy holds them, or per-block FP8 (rollout/quantize.py)."""
+
+ATTENTION_IMPLS = ("auto", "sdpa", "unfused")
+"""model.attention: the core attention of the layers. 'sdpa': torch's fused scaled_dot_product_attention
+(model/attention.py; takes packed rows); 'unfused': Megatron-Core's local DotProductAttention, which materialises
+the [heads, s, s] scores; 'auto': Transformer Engine's fused attention under TE, else 'sdpa'."""

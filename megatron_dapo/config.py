@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_dapo.choices import (
     ADV_NORMS,
+    ATTENTION_IMPLS,
     BAD_ROW_POLICIES,
     DATASET_FORMATS,
     KL_ESTIMATORS,
@@ -486,14 +487,26 @@ class ModelConfig:
     """Parameter and compute precision: 'bf16', 'fp16' or 'fp32' (optimizer state is fp32)."""
     fp8: Optional[str] = None
     """FP8 through Transformer Engine (GPU only): 'e4m3' or 'hybrid'; null = off."""
-    fp8_recipe: str = "delayed"
-    """Transformer Engine FP8 recipe: 'delayed', 'tensorwise' or 'blockwise'."""
+    fp8_recipe: str = "tensorwise"
+    """Transformer Engine FP8 recipe: 'tensorwise' (current scaling: each tensor scaled by its own amax, so the
+    old-logprob forward and the training forward of the same weights and tokens quantise alike and the on-policy
+    ratio is exactly 1), 'delayed' (scales from an amax history: the two forwards use different scales, so r != 1
+    before any update) or 'blockwise'."""
     recompute: Optional[str] = None
     """Activation recompute: null, 'selective' (attention core) or 'full' (whole layers)."""
     recompute_num_layers: int = 1
     """With recompute='full': layers per recompute block (uniform method)."""
     transformer_impl: str = "auto"
-    """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU, else local)."""
+    """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU, else local). A checkpoint
+    records the one it was saved with (their parameter and bucket order differ): resuming under the other is refused."""
+    attention: str = "auto"
+    """Core attention: 'sdpa' (torch's fused scaled_dot_product_attention: no [heads, s, s] scores, takes packed
+    rows), 'unfused' (Megatron-Core's local DotProductAttention, which materialises them), or 'auto' (Transformer
+    Engine's fused attention under TE, else 'sdpa'). The same parameters either way: a resume under another only
+    warns."""
+    varlen_attention: bool = False
+    """With attention 'sdpa' on CUDA, packed rows through torch's varlen_attn (one kernel per pack) instead of one
+    SDPA call per sequence. Off by default until it has passed a GPU run."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -507,6 +520,7 @@ class ModelConfig:
             self.recompute_num_layers >= 1, "model.recompute_num_layers", self.recompute_num_layers, "an integer >= 1"
         )
         _check(self.transformer_impl in IMPLS, "model.transformer_impl", self.transformer_impl, f"one of {IMPLS}")
+        _check(self.attention in ATTENTION_IMPLS, "model.attention", self.attention, f"one of {ATTENTION_IMPLS}")
 
 
 @dataclass
@@ -543,13 +557,23 @@ class ParallelConfig:
 class TrainConfig:
     """How a mini-batch runs through the policy."""
 
-    max_tokens_per_microbatch: int = 16384
-    """Token budget of a micro-batch (padded prompt + response tokens per sequence, summed):
-    sequences are packed into micro-batches under it, so long and short responses balance."""
+    max_tokens_per_microbatch: int = 15360
+    """Token budget of a micro-batch of the train step (padded prompt + response tokens per sequence, summed):
+    sequences are packed into micro-batches under it, so long and short responses balance. The default is what
+    model/memory.py's memory model allows its REFERENCE_CASE: the Qwen2.5-1.5B shape (untied, as the preflight builds
+    it) alone on one 80 GiB GPU, SDPA attention, bf16, no recompute, the one-pass vocabulary code, 10% of the GPU left
+    free: a peak of 71.2 GiB (16384 would plan 74.0 GiB). For another model or layout: memory.max_tokens."""
+    max_tokens_per_forward: int = 0
+    """Token budget of a micro-batch of the forward-only passes (the old logprobs, the KL reference's logprobs),
+    which keep nothing for backward; 0 = max_tokens_per_microbatch, so the old-logprob forward runs the train step's
+    own micro-batches and the on-policy ratio is exactly 1. A larger budget means fewer, larger forward passes (the
+    memory model allows 144384 tokens in the reference case above, 41 GiB of it bf16 logits), but other GEMM shapes:
+    the last bits of some bf16 logprobs change, and the ratio is then 1 only to about 1e-3."""
     packed_sequences: bool = True
-    """With Transformer Engine (GPU), pack each micro-batch's sequences into one row (THD
-    format, no padding, the budget counts real tokens); otherwise rows are right-padded (and always
-    with algorithm.loss_agg_mode=seq-mean-token-mean, which means over each response's row)."""
+    """Pack each micro-batch's sequences into one row (THD format, no padding, the budget counts real tokens) when
+    the attention takes packed rows (model.attention 'sdpa' or Transformer Engine's); otherwise, and always with
+    model.attention=unfused, context parallel or algorithm.loss_agg_mode=seq-mean-token-mean (which means over each
+    response's row), rows are right-padded."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -559,6 +583,16 @@ class TrainConfig:
             self.max_tokens_per_microbatch,
             "an integer >= 1",
         )
+        _check(
+            self.max_tokens_per_forward >= 0,
+            "train.max_tokens_per_forward",
+            self.max_tokens_per_forward,
+            "an integer >= 0 (0 = train.max_tokens_per_microbatch)",
+        )
+
+    def microbatch_tokens(self, forward_only: bool) -> int:
+        """The token budget of a pass: max_tokens_per_forward for a forward-only one (0: the train step's)."""
+        return (forward_only and self.max_tokens_per_forward) or self.max_tokens_per_microbatch
 
 
 @dataclass

@@ -222,8 +222,9 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two_steps(tmp_path_factory, tiny_qwen2):
     """A 2-step run in one process, built once per test run (_built_once) for the trainer's and the launchers' tests:
-    the tiny model, 64 addition problems, evaluation on 5 more after step 2, KL to the starting weights in the reward
-    (k1, GRPO-with-KL as PPO puts it; the loss term is tests/test_sampler_runs.py's).
+    the tiny model, 64 addition problems, evaluation on 5 more after step 2 (at temperature 0.6, not the rollouts'
+    1.0: logprobs the trainer took at it would show in rollout/logp_mismatch_mean), KL to the starting weights in the
+    reward (k1, GRPO-with-KL as PPO puts it; the loss term is tests/test_sampler_runs.py's).
 
     Logs to Weights & Biases too, offline (wandb's files under the run directory and the fixture's folder, see
     run_helpers.wandb_env). Returns its overrides (without trainer.run_dir or the W&B project), its run directory and
@@ -259,6 +260,7 @@ def two_steps(tmp_path_factory, tiny_qwen2):
             f"data.val_files=[{root / 'val.jsonl'}]",
             "eval.every=2",
             "eval.k=3",
+            "eval.temperature=0.6",  # not the rollout's 1.0: logprobs taken at it would show in the mismatch
         ]
 
     def build(root: Path) -> None:

@@ -17,7 +17,9 @@ from megatron_dapo.model.arch import ModelArch
 WORKER = Path(__file__).with_name("megatron_worker.py")
 
 
-def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 250, layers: int = 2, tied: bool = False):
+def tiny_hf_model(
+    family: str, seed: int = 0, vocab_size: int = 250, layers: int = 2, tied: bool = False, rms_norm_eps: float = 1e-6
+):
     """A randomly initialised tiny Qwen2 or Llama (4 heads, 2 KV groups) from transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -30,7 +32,7 @@ def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 250, layers: int
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=tied,
-        rms_norm_eps=1e-6,
+        rms_norm_eps=rms_norm_eps,
     )
     with torch.random.fork_rng(devices=[]):  # transformers initialises from the global generator: leave it as it was
         torch.manual_seed(seed)

@@ -18,6 +18,9 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   policy resumed from the never-stepped checkpoint trains the first step again.
 - nan: a mini-batch whose loss is NaN is skipped (weights, optimizer and LR schedule untouched);
   the next finite one trains.
+- attention: model/attention.py's SDPAttention against Megatron's unfused DotProductAttention built from the policy's
+  own TransformerConfig (this rank's heads under TP): outputs and input gradients of padded rows (GQA, one row,
+  one token) and of packed rows (one SDPA call per sequence) against each sequence alone, in float64 comparisons.
 - vllm: a vLLM engine (one per rank, in-process, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
@@ -31,7 +34,7 @@ import sys
 
 import torch
 
-from megatron_dapo.model.logprobs import ENTROPY_CHUNK_ELEMENTS as DEFAULT_CHUNK
+from megatron_dapo.model.logprobs import CHUNK_ELEMENTS as DEFAULT_CHUNK
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,11 +42,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--case", required=True, help="directory with config.json, weights.pt, batch.pt")
     ap.add_argument("--out", required=True)
     ap.add_argument(
-        "--mode", choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan"), default="train"
+        "--mode",
+        choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan", "attention"),
+        default="train",
     )
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--entropy-chunk-elements", type=int, default=None, help="token_entropy's chunk (logits per pass)")
+    ap.add_argument(
+        "--entropy-chunk-elements", type=int, default=None, help="logprobs.CHUNK_ELEMENTS (logits per chunk)"
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=2")
     return ap
 
@@ -90,7 +97,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     # would turn 1e-9 differences in near-zero grads into lr-sized differences in the weights
     base = ["model.dtype=fp32", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.adam_eps=1e-4"]
     cfg = load_config(overrides=[*base, *args.overrides])
-    logprobs.ENTROPY_CHUNK_ELEMENTS = args.entropy_chunk_elements or DEFAULT_CHUNK
+    logprobs.CHUNK_ELEMENTS = args.entropy_chunk_elements or DEFAULT_CHUNK
     torch.manual_seed(0)  # what a job draws from the default generator does not depend on the jobs before it
     os.makedirs(args.out, exist_ok=True)
     arch = ModelArch.from_hf_dir(args.case)
@@ -100,6 +107,10 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     _EAGER.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)
     _EAGER.setdefault("torch_compile_restored", torch.compile is _TORCH_COMPILE)
     policy = MegatronPolicy(cfg, arch, layout, torch.load(os.path.join(args.case, "weights.pt")))
+    schedule, passes = policy._forward_backward, []  # each pass of Megatron's schedule: (forward_only, micro-batches)
+    policy._forward_backward = lambda **kw: (
+        passes.append((kw["forward_only"], kw["num_microbatches"])) or schedule(**kw)
+    )
 
     batch = torch.load(os.path.join(args.case, "batch.pt"))
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -110,6 +121,12 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         for b in mine
     ]
     result: dict = {}
+    if args.mode == "attention":
+        result.update(attention_check(policy.model[0].config))
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+            torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
+        finish(policy, last)
+        return
     if args.mode == "bridge":
         result.update(bridge(policy, cfg, arch, layout))
         if layout.rank == 0:
@@ -129,7 +146,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
         finish(policy, last)
         return
-    first = policy.compute_logprobs(samples, args.temperature)
+    first = policy.compute_logprobs(samples, args.temperature, with_entropy=args.mode == "logprobs")
     if args.mode == "nan":
         for i, s in enumerate(samples):
             s.old_logp = first[i]["logp"] + mine[i]["noise"]
@@ -149,6 +166,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     if args.mode == "logprobs":
         result["logprobs"] = first
         result["eager_megatron"] = dict(_EAGER)
+        result["packed"] = policy.packed
     elif args.mode == "train":
         if first is not None:  # the last pipeline stage computes the loss
             for i, s in enumerate(samples):
@@ -167,10 +185,60 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
                     s.old_logp = current[i]["logp"]
             result.setdefault("metrics", []).append(policy.train_step(samples, args.temperature))
             current = policy.compute_logprobs(samples, args.temperature)
-        result["before"], result["after"] = first, current
+        result["before"], result["after"], result["passes"] = first, current, passes
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
     finish(policy, last)
+
+
+def attention_check(config) -> dict:
+    """{case: (largest |SDPA - unfused| over the output and the q, k, v gradients, their largest magnitude)} for
+    padded rows and packed rows; the packed reference is each sequence alone through the unfused module."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dapo.model.attention import SDPAttention
+
+    unfused = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    sdpa = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    expanded = SDPAttention(config, 1, AttnMaskType.causal, "self", expand_kv=True)
+    heads, groups, d = sdpa.heads, sdpa.groups, config.kv_channels
+    g = torch.Generator().manual_seed(11)
+
+    def run(module, q, k, v, grad, **kw):
+        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        out = module(q, k, v, None, **kw)
+        out.backward(grad)
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    def compare(got, want) -> tuple[float, float]:
+        diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(got, want))
+        return diff, max(float(b.abs().max()) for b in want)
+
+    result = {}
+    for case, (s, b) in {"gqa": (9, 3), "one_row": (6, 1), "one_token": (1, 2)}.items():
+        q = torch.randn(s, b, heads, d, generator=g)
+        k, v = (torch.randn(s, b, groups, d, generator=g) for _ in range(2))
+        grad = torch.randn(s, b, heads * d, generator=g)
+        want = run(unfused, q, k, v, grad)
+        result[f"attention_{case}"] = compare(run(sdpa, q, k, v, grad), want)
+        result[f"attention_{case}_expand_kv"] = compare(run(expanded, q, k, v, grad), want)
+    lengths = [5, 1, 7, 2]  # the last is a row's padding: a segment of its own
+    t = sum(lengths)
+    q = torch.randn(t, heads, d, generator=g)
+    k, v = (torch.randn(t, groups, d, generator=g) for _ in range(2))
+    grad = torch.randn(t, heads * d, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    got = run(sdpa, q, k, v, grad, packed_seq_params=params)
+    want = [torch.empty_like(x) for x in got]
+    for start, end in zip(cu.tolist(), cu.tolist()[1:]):
+        seq = [x[start:end].unsqueeze(1) for x in (q, k, v)]  # [n, 1, h, d]: one padded row
+        for w, part in zip(want, run(unfused, *seq, grad[start:end].unsqueeze(1))):
+            w[start:end] = part.reshape(w[start:end].shape)
+    result["attention_packed"] = compare(got, want)
+    return result
 
 
 def finish(policy, last: bool) -> None:
@@ -246,11 +314,30 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     restarted = MegatronPolicy(cfg, arch, layout, None)
     never.load(restarted)
     first_b = step(restarted)
+    weights_first_b = tp_gathered_tensors(restarted.model, arch, layout)
+
+    # saved under the other layer spec (Transformer Engine's): refused at once, without falling back past it to an
+    # older checkpoint (they were all saved the same way); step 2 is the damaged one above, so load reaches step 1
+    from megatron_dapo.checkpoint import CheckpointMismatch
+
+    rank_file = manager.root / "step_00000001" / "state" / f"rank{layout.rank:05d}.pt"
+    saved = torch.load(rank_file, weights_only=False)
+    layers_saved = dict(saved["layers"])
+    saved["layers"]["transformer_impl"] = "transformer_engine"
+    torch.save(saved, rank_file)
+    dist.barrier()
+    try:
+        manager.load(restarted)  # (the damaged step 2 is tried first: restarted's weights are garbage after this)
+        refusal = None
+    except CheckpointMismatch as e:
+        refusal = str(e)
     return {
+        "layers_saved": layers_saved,
+        "refusal": refusal,
         "first": first,
         "first_b": first_b,
         "weights_first": after_first,
-        "weights_first_b": tp_gathered_tensors(restarted.model, arch, layout),
+        "weights_first_b": weights_first_b,
         "metrics_a": second,
         "metrics_b": second_b,
         "weights": after_a,

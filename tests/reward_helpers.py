@@ -29,6 +29,11 @@ def half_credit(response: str, ground_truth: str) -> float:
     return 0.5
 
 
+def gold_as_score(response: str, ground_truth: str) -> float:
+    """A float score: the ground truth read as a number (a 0/1 reward's 0.0 is a wrong answer)."""
+    return float(ground_truth)
+
+
 def as_result(response: str, ground_truth: str) -> VerifyResult:
     """A full VerifyResult whose pred is the response's length."""
     return VerifyResult(score=1.0, acc=True, pred=str(len(response)))

@@ -46,3 +46,34 @@ def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoin
         assert torch.equal(got["weights_first_b"][name], t), name
     assert got["kept"] == ["step_00000001", "step_00000002"]
     assert got["closed_policy_freed"]
+    # the checkpoint records its layers; one saved under the other layer spec is refused, not fallen back past
+    assert got["layers_saved"] == {"transformer_impl": "local", "attention": "sdpa"}
+    assert (
+        "\n" not in got["refusal"]
+        and "step_00000001 was saved with model.transformer_impl='transformer_engine'" in got["refusal"]
+    )
+
+
+def _layout(use_te: bool, attention: str):
+    from megatron_dapo.model.parallel import Layout
+
+    return Layout(1, 0, 0, 1, 1, None, 1, 1, use_te=use_te, sequence_parallel=False, attention=attention)
+
+
+def test_a_checkpoint_of_the_other_layer_spec_is_refused_and_another_attention_warned(caplog, tmp_path):
+    from megatron_dapo.checkpoint import CheckpointMismatch, check_layer_impl, layer_impl
+
+    local = layer_impl(_layout(False, "sdpa"))
+    assert local == {"transformer_impl": "local", "attention": "sdpa"}
+    check_layer_impl(local, _layout(False, "sdpa"), tmp_path)  # the same: silent
+    check_layer_impl(None, _layout(True, "te"), tmp_path)  # saved before layers were recorded: accepted
+    with pytest.raises(
+        CheckpointMismatch, match=r"model\.transformer_impl='local' and this run builds 'transformer_engine'"
+    ):
+        check_layer_impl(local, _layout(True, "sdpa"), tmp_path)
+    with pytest.raises(CheckpointMismatch, match=r"'transformer_engine' and this run builds 'local'"):
+        check_layer_impl(layer_impl(_layout(True, "te")), _layout(False, "sdpa"), tmp_path)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="megatron_dapo.checkpoint"):
+        check_layer_impl(local, _layout(False, "unfused"), tmp_path)
+    assert "trained with attention 'sdpa', this run uses 'unfused'" in caplog.text

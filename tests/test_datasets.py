@@ -11,7 +11,7 @@ import pytest
 from megatron_dapo.config import DataConfig
 from megatron_dapo.data.datasets import GSM8K_INSTRUCTION, DatasetError, PromptDataset
 from megatron_dapo.data.generator import generate_rows, write_jsonl, write_parquet
-from megatron_dapo.model.tokenizer import GENERATION_PROMPT, train_byte_bpe_tokenizer
+from megatron_dapo.model.tokenizer import CHATML_TEMPLATE, GENERATION_PROMPT, train_byte_bpe_tokenizer
 
 # ------------------------------------------------------------------ fixtures and helpers
 
@@ -273,6 +273,37 @@ def test_tokenizer_without_chat_template(tmp_path, tok):
     assert plain.chat_template is None
     with pytest.raises(DatasetError, match="chat template"):
         PromptDataset([f], plain)
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_one_per_prompt(tmp_path, tok):
+    """A Llama-3-style tokenizer: its post-processor adds <|begin_of_text|> to every encoding, and its chat template
+    starts with it too. The templated text is tokenized as it is (no special tokens added): every prompt starts with
+    exactly one BOS, and its ids are the template text's own (the tokenizers library's encoding, nothing added)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos = "<|begin_of_text|>"
+    core = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    core.add_special_tokens([bos])
+    bos_id = core.token_to_id(bos)
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    llama = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=bos,
+        eos_token=tok.eos_token,
+        pad_token=tok.pad_token,
+        clean_up_tokenization_spaces=False,
+    )
+    llama.chat_template = "{{- bos_token }}" + CHATML_TEMPLATE
+    assert llama("Hi")["input_ids"][0] == bos_id  # the tokenizer adds a BOS of its own
+    ds = PromptDataset([write(tmp_path / "a.jsonl", [dapo("What is 1 + 1?", "2"), gsm8k("B?")])], llama)
+    assert len(ds) == 2
+    for p in ds:
+        assert p.text.startswith(bos) and p.text.count(bos) == 1
+        assert p.token_ids[0] == bos_id and p.token_ids.count(bos_id) == 1, p.token_ids[:4]
+        assert p.token_ids == core.encode(p.text, add_special_tokens=False).ids
 
 
 def test_bad_arguments(tmp_path, tok):

@@ -36,8 +36,10 @@ def hf_reference(model, batch: list[dict], temperature: float) -> list[dict[str,
         return [dict(zip(("logp", "entropy"), hf_response_logprobs(model, b, temperature))) for b in batch]
 
 
-LOGPROB_RUNS = {  # name: (family, tied, nproc, overrides, slow)
+LOGPROB_RUNS = {  # name: (family, tied, nproc, overrides, slow); the default attention is SDPA with packed rows
     "qwen2": ("qwen2", False, 1, [], False),
+    "qwen2-padded": ("qwen2", False, 1, ["train.packed_sequences=false"], False),
+    "qwen2-unfused": ("qwen2", False, 1, ["model.attention=unfused"], False),
     "llama-tied": ("llama", True, 1, [], True),
     "qwen2-tp2": ("qwen2", False, 2, ["parallel.tp=2"], True),
     "llama-tied-pp2": ("llama", True, 2, ["parallel.pp=2"], True),
@@ -63,11 +65,16 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
     for name, (family, tied, nproc, overrides, slow) in LOGPROB_RUNS.items():
         case = save_case(logprob_model(family, tied), random_batch(6, 14, VOCAB, seed=5), root / f"case-{name}")
         jobs[name] = Job(nproc, case, ("--mode", "logprobs", "--temperature", "0.7", *chunk, *overrides), slow)
+    for nproc in (1, 2):  # the attention modules alone, on the policy's config: all heads, then half of them (TP 2)
+        overrides = ("parallel.tp=2",) if nproc == 2 else ()
+        jobs[f"attention{nproc}"] = Job(nproc, jobs["qwen2"].case, ("--mode", "attention", *overrides))
     case = save_case(logprob_model("qwen2", False), random_batch(4, 14, VOCAB, seed=5), root / "case-bf16")
     jobs["bf16"] = Job(1, case, ("--mode", "logprobs", "--temperature", "1.0", "model.dtype=bf16"))
     for sign in (1.0, -1.0):
         case = save_case(tiny_hf_model("qwen2", seed=4, vocab_size=VOCAB), advantage_batch(sign), root / f"c{sign}")
-        jobs[f"steps{sign}"] = Job(1, case, ("--mode", "steps", "--steps", "3", "--temperature", "1.0"))
+        # 4 sequences of 12 tokens: the train step's budget holds one (4 micro-batches), the forward passes' all four
+        budgets = ("train.max_tokens_per_microbatch=14", "train.max_tokens_per_forward=56")
+        jobs[f"steps{sign}"] = Job(1, case, ("--mode", "steps", "--steps", "3", "--temperature", "1.0", *budgets))
     return jobs
 
 
@@ -82,6 +89,25 @@ def test_logprobs_and_entropy_match_transformers(ran, name):
     for g, w in zip(got["logprobs"], want):
         torch.testing.assert_close(g["logp"].double(), w["logp"], rtol=0, atol=1e-5)
         torch.testing.assert_close(g["entropy"].double(), w["entropy"], rtol=0, atol=1e-5)
+
+
+def test_packed_rows_take_sdpa_and_padded_rows_too(ran):
+    """The runs above compare with transformers; here the layouts they ran: packed rows by default, since SDPA
+    takes them (one call per sequence on CPU), padded when asked or with Megatron's unfused attention."""
+    assert [result(ran, n)["packed"] for n in ("qwen2", "qwen2-padded", "qwen2-unfused")] == [True, False, False]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sdpa_attention_matches_megatrons_unfused_attention(ran, nproc):
+    """model/attention.py against the DotProductAttention it replaces, same inputs: output and q, k, v gradients
+    for grouped heads (2 KV groups under 4 query heads; one each per rank at TP 2), one row, a one-token row, KV heads
+    expanded instead of grouped, and packed rows (one SDPA call per sequence) against each sequence alone."""
+    got = result(ran, f"attention{nproc}")
+    cases = [k for k in got if k.startswith("attention_")]
+    assert len(cases) == 7, cases
+    for case in cases:
+        diff, scale = got[case]
+        assert scale > 0.1 and diff <= 2e-6 * scale, (case, diff, scale)
 
 
 def test_megatron_is_imported_without_compiling_on_cpu(ran):
@@ -110,6 +136,8 @@ def test_train_steps_move_logprobs_with_the_advantage(ran, sign):
     assert (sign * (after - before) > 0).float().mean() > 0.9  # nearly every token moves the right way
     first = got["metrics"][0]
     assert first["actor/loss"] == pytest.approx(-sign, abs=1e-6)  # on-policy: r = 1, loss = -A per token
+    # the forward-only passes (old logprobs) ran under train.max_tokens_per_forward, the train steps under their own
+    assert got["passes"] == [(True, 1)] + [(False, 4), (True, 1)] * 3
     assert first["actor/update_applied"] == 1.0 and first["actor/grad_norm"] > 0
 
 
@@ -167,6 +195,42 @@ def test_padded_and_packed_layouts_hold_the_same_tokens(seed):
             assert layout.position_ids[row, start] == len(s.prompt_ids) - 1  # positions restart per sequence
         # no target crosses into the next sequence: outside the spans nothing is masked in
         assert not (layout.loss_mask & ~layout.response_mask).any()
+
+
+@pytest.mark.parametrize(
+    "tp, sp, cp, fp8, multiple",
+    [
+        (1, False, 1, False, 1),
+        (1, False, 1, True, 16),
+        (2, False, 1, True, 16),
+        (2, True, 1, False, 2),
+        (2, True, 1, True, 32),
+        (4, True, 2, True, 256),
+        (1, False, 2, True, 64),
+        (2, False, 3, False, 6),
+    ],
+)
+def test_fp8_micro_batches_are_padded_to_16_tokens_a_rank(seed, tp, sp, cp, fp8, multiple):
+    """Under FP8 each rank's GEMM token count must divide by 16 after the sequence-parallel (tp) and context-parallel
+    (2 cp chunks) splits: rows round up to the product 16 x tp x 2cp. The padding carries no loss and no gradient:
+    it is out of the response and loss masks, which the token mean and its global count read."""
+    from megatron_dapo.model.parallel import Layout
+    from megatron_dapo.model.policy import row_multiple
+
+    layout = Layout(tp * cp, 0, 0, tp, 1, None, cp, 1, use_te=True, sequence_parallel=sp, attention="te")
+    assert row_multiple(layout, fp8) == multiple
+    g = torch.Generator().manual_seed(seed)
+    samples = [
+        TrainSample(torch.randint(1, 50, (p,), generator=g).tolist(), torch.randint(1, 50, (r,), generator=g).tolist())
+        for p, r in ((3, 5), (1, 1), (7, 2))
+    ]
+    for packed in (False, True):
+        mb = collate(samples, [0, 1, 2], torch.device("cpu"), multiple, packed)
+        width = 19 if packed else 9  # every sequence back to back, or the longest (7 + 2)
+        assert mb.tokens.shape[1] == -(-width // multiple) * multiple
+        per_rank = mb.tokens.numel() // (tp if sp else 1) // cp
+        assert not fp8 or per_rank % 16 == 0
+        assert int(mb.response_mask.sum()) == int(mb.loss_mask.sum()) == 8  # the responses' tokens, no padding
 
 
 def arch_of(heads=4, kv=2, layers=2, **kw) -> ModelArch:

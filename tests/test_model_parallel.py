@@ -5,7 +5,8 @@ Each layout runs the same tiny model and the same mini-batch through one DAPO tr
 transformers' own model in float64 with the DAPO loss written out here: the loss, its normaliser, the clip counts,
 the ratio metrics, the clipped gradients and AdamW's first step must match it; the 2-process layouts must also
 match the 1-process run at fp32 tolerances. The token-mean check: one mini-batch split into 1, 2 or 4 micro-batches,
-and over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail).
+and over 1 or 2 data-parallel ranks, gives the same gradients (the check other frameworks fail). Dr. GRPO's step divides
+by the configured length limit, and a checkpoint's rms_norm_eps far from the default reaches Megatron's logprobs.
 
 Every run of the file is a job of the test run's two torchrun launches (1 and 2 processes; tests/conftest.py
 megatron_runs).
@@ -39,6 +40,13 @@ LR, ADAM_EPS = 1e-3, 1e-4  # the worker's base config (no warm-up)
 WEIGHT_DECAY, CLIP_GRAD = 0.1, 1.0  # the config's defaults
 TIS_CAP = 1.5  # about a fifth of the weights exp(-rollout_offset) lie above it
 NEAR_BOUND = 1e-4  # |log r - log bound| under which fp32 rounding may put a token on either side of a clip bound
+DR_GRPO_MAX_RESPONSE = 40  # rollout.max_response_length of the Dr. GRPO step: well above the batch's longest (14)
+DR_GRPO = [
+    "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+    f"rollout.max_response_length={DR_GRPO_MAX_RESPONSE}",
+    "algorithm.overlong_buffer_len=8",  # within the limit (the default 4096 is the paper's, for 20480)
+]
+FAR_EPS = 0.1  # a checkpoint's rms_norm_eps far from the tiny models' 1e-6 (and Megatron's default 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,8 @@ def budget(samples: int) -> str:
 
 def megatron_jobs(root: Path) -> dict[str, Job]:
     """Every train step of this file (tests/conftest.py megatron_runs runs them): the module's model and batch."""
-    case = save_case(tiny_hf_model("qwen2"), random_batch(8, SEQ, 250), root / "case")
+    batch = random_batch(8, SEQ, 250)
+    case = save_case(tiny_hf_model("qwen2"), batch, root / "case")
 
     def train(nproc: int, *overrides: str, on=case, slow: bool = False) -> Job:
         # every 2-process launch is make test's only, as in the other Megatron files: ~12 s a launch
@@ -88,6 +97,10 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
         "dp2-distopt": train(2, budget(8)),
         "dp2-mb2": train(2, budget(2), no_distopt),  # 2 DP ranks x 2 micro-batches each
         "nan": Job(1, case, ("--mode", "nan")),
+        "dr-grpo": train(1, budget(4), *DR_GRPO),  # 2 micro-batches, each divided by the mini-batch's constant
+        "far-eps": Job(
+            1, save_case(tiny_hf_model("qwen2", rms_norm_eps=FAR_EPS), batch, root / "far-eps"), ("--mode", "logprobs")
+        ),
     }
     for name, (family, tied, layers, overrides) in PIPELINES.items():
         model = tiny_hf_model(family, seed=11, vocab_size=250, layers=layers, tied=tied)
@@ -97,7 +110,9 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
     return jobs
 
 
-def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict:
+def dapo_float64(
+    model, batch: list[dict], tis_cap: float | None = None, dr_grpo_max_response: int | None = None
+) -> dict:
     """The worker's first train step, written out in float64 on transformers' model.
 
     The worker's old_logp is the policy's own logprobs + noise; here it is transformers' logprobs + noise, so the
@@ -105,11 +120,13 @@ def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict
     mini-batch (times min(exp(old_logp - rollout_logp), tis_cap) with truncated IS); the gradient clipped to
     CLIP_GRAD; AdamW's first step, where m_hat = g and v_hat = g^2 whatever the betas. Returns the loss and metrics,
     clip_low / clip_high as (tokens surely clipped, tokens within NEAR_BOUND of the bound), and grads / weights
-    under Hugging Face names.
+    under Hugging Face names. dr_grpo_max_response: seq-mean-token-sum-norm (Dr. GRPO): the token losses' sum divided
+    by every response of the mini-batch (in the loss or not) x this configured length limit, not by the tokens.
     """
     hf = copy.deepcopy(model).double()
     kept = [b for b in batch if b["in_loss"]]  # an overlong-filtered response is out of the loss and of its count
     tokens = sum(len(b["response"]) for b in kept)
+    divisor = tokens if dr_grpo_max_response is None else len(batch) * dr_grpo_max_response
     loss = torch.zeros((), dtype=torch.float64)
     ratios, advantages, entropies = [], [], []
     for b in kept:
@@ -119,7 +136,7 @@ def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict
         token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
         if tis_cap is not None:  # old_logp - rollout_logp = -rollout_offset
             token_loss = token_loss * torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
-        loss = loss + token_loss.sum() / tokens
+        loss = loss + token_loss.sum() / divisor
         ratios.append(ratio.detach())
         advantages.append(torch.full_like(logp, adv).detach())
         entropies.append(entropy)
@@ -142,6 +159,7 @@ def dapo_float64(model, batch: list[dict], tis_cap: float | None = None) -> dict
     return {
         "loss": float(loss.detach()),
         "tokens": tokens,
+        "normalizer": float(divisor),
         "ratio_mean": float(r.mean()),
         "approx_kl": float((r - 1 - r.log()).mean()),
         "entropy": float(torch.cat(entropies).mean()),
@@ -161,7 +179,7 @@ def expected(model, batch):
 def assert_matches_float64(want: dict, got: dict, arch: ModelArch, what: str) -> None:
     m = got["metrics"]
     assert m["actor/update_applied"] == 1.0 and m["actor/lr"] == LR, what
-    assert m["actor/normalizer"] == want["tokens"] and m["actor/tokens"] == want["tokens"], what
+    assert m["actor/normalizer"] == want["normalizer"] and m["actor/tokens"] == want["tokens"], what
     for key in ("loss", "ratio_mean", "approx_kl", "entropy", "grad_norm"):
         assert m[f"actor/{key}"] == pytest.approx(want[key], rel=1e-5), f"{what} {key}"
     for side in ("low", "high"):
@@ -242,6 +260,32 @@ def test_truncated_is_weights_reach_the_loss(model, batch, arch, expected, ran):
         assert abs(want["loss"] - other["loss"]) > 1e-2 * abs(want["loss"])
     got = result(ran, "tis")
     assert_matches_float64(want, got, arch, "truncated IS")
+
+
+def test_dr_grpo_step_divides_by_the_configured_length_limit(model, batch, arch, ran):
+    """algorithm.loss_agg_mode=seq-mean-token-sum-norm with rollout.max_response_length (40) well above the batch's
+    longest response (14): the divisor is responses x the configured limit, as written out in float64; one taken from
+    the batch's own lengths (where the two coincide no test would tell) fails the loss, normaliser and weights."""
+    assert max(len(b["response"]) for b in batch) < DR_GRPO_MAX_RESPONSE / 2
+    want = dapo_float64(model, batch, dr_grpo_max_response=DR_GRPO_MAX_RESPONSE)
+    assert want["normalizer"] == len(batch) * DR_GRPO_MAX_RESPONSE != want["tokens"]
+    assert_matches_float64(want, result(ran, "dr-grpo"), arch, "Dr. GRPO")
+
+
+def test_a_checkpoints_rms_norm_eps_reaches_megatron(batch, ran):
+    """A checkpoint whose rms_norm_eps (0.1) is far from the tiny models' 1e-6: Megatron's logprobs and entropies are
+    transformers' own (float64) with that epsilon. The config read from another key, or Megatron's layernorm_epsilon
+    left at a default, normalises with 1e-6 or 1e-5 instead and moves them far beyond the tolerance."""
+    model = tiny_hf_model("qwen2", rms_norm_eps=FAR_EPS)
+    assert ModelArch.from_hf_config(model.config.to_dict()).rms_norm_eps == FAR_EPS
+    hf = model.double()
+    got = result(ran, "far-eps")["logprobs"]
+    assert len(got) == len(batch)
+    with torch.no_grad():
+        for g, b in zip(got, batch):
+            logp, entropy = hf_response_logprobs(hf, b, TEMPERATURE)
+            torch.testing.assert_close(g["logp"].double(), logp, rtol=0, atol=1e-5)
+            torch.testing.assert_close(g["entropy"].double(), entropy, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -27,13 +27,23 @@ FLOP accounting are bench_throughput's train part (tests/test_tools_bench.py) an
 first test below checks; `determinism`, a property of the device (each GPU preflight runs it). Each of those three
 costs a process start-up and ~10-20 s here, which the suite's 10 minutes cannot spare."""
 NOT_RUN = ("bridge", "train_tiny", "determinism")
-GPU_CHECKS = ("limits", "kernel_timing", "train_0.5b", "train_1.5b", "sleep_wake", "inflight_update", "train_e2e", "te")
+GPU_CHECKS = (
+    "limits",
+    "kernel_timing",
+    "train_0.5b",
+    "train_1.5b",
+    "profile",
+    "sleep_wake",
+    "inflight_update",
+    "train_e2e",
+    "te",
+)
 
 
 def test_a_train_variant_out_of_gpu_memory_is_reported_not_fatal():
     """The 1.5B shape without recompute does not fit an 80 GiB H100 with the local layers (measured): the row
     reports what the variant asked for and passes on the variants that ran; with none run it fails."""
-    from megatron_dapo.preflight.checks import RECOMPUTE_VARIANTS, variants_result
+    from megatron_dapo.preflight.checks import TRAIN_VARIANTS, variants_result
 
     message = "CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has a total capacity of 79.18 GiB"
     rates = {"train_tokens_per_s": 9000.0, "mfu": 0.12, "logprob_mfu": 0.11, "train_step_s": 3.6, "peak_gib": 50.2}
@@ -45,13 +55,14 @@ def test_a_train_variant_out_of_gpu_memory_is_reported_not_fatal():
 
     res = variants_result({}, no_room_without_recompute)
     assert res.ok and res.numbers["oom"] == "Tried to allocate 768.00 MiB" and "mfu" not in res.numbers
-    assert res.numbers["selective_mfu"] == res.numbers["recompute_mfu"] == 0.12 and res.reason == "out of memory: oom"
+    assert res.numbers["unfused_mfu"] == res.numbers["unfused_selective_mfu"] == res.numbers["recompute_mfu"] == 0.12
+    assert res.reason == "out of memory: oom"
 
     def no_room(overrides):
         raise torch.OutOfMemoryError(message)
 
     res = variants_result({}, no_room)
-    assert not res.ok and [k for k in res.numbers] == [p + "oom" for p, _ in RECOMPUTE_VARIANTS]
+    assert not res.ok and [k for k in res.numbers] == [p + "oom" for p, _ in TRAIN_VARIANTS]
     assert not variants_result({}, lambda o: {**rates, "mfu": float("nan")}).ok  # a NaN rate is no pass
 
 

@@ -350,6 +350,17 @@ def test_pool_rejects_non_finite_user_scores():
         assert batch.status == ["error"] and batch.scores == [-1.0]
 
 
+def test_pool_user_float_scores_are_correct_only_above_zero():
+    """reward.verifier=package.module:function returning floats, through the pool the trainer builds
+    (RewardPool.from_config): 1.0 is correct; a 0/1 reward's 0.0 and a negative score are wrong (acc, which dynamic
+    sampling filters on); the scores stay as returned."""
+    cfg = RewardConfig(verifier="reward_helpers:gold_as_score", num_workers=1)
+    with RewardPool.from_config(cfg) as pool:
+        batch = pool.score(["a", "b", "c"], ["0.0", "1.0", "-0.5"], ["src"] * 3)
+    assert batch.status == ["ok"] * 3 and batch.scores == [0.0, 1.0, -0.5]
+    assert batch.acc == [False, True, False]
+
+
 _MAIN_SCRIPT = """
 import os, sys
 with open(os.environ["REWARD_TEST_MARK"], "a") as f:  # runs again in each worker if spawn re-imports __main__

@@ -186,7 +186,8 @@ def test_two_rollout_steps_end_to_end(two_steps):
     for m in lines:
         assert m["trainer/updates"] == 2 and m["sampler/groups_generated"] == 4  # 16 responses / 8 per update
         assert all(math.isfinite(v) for v in m.values())
-        assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3  # vLLM and Megatron agree
+        # vLLM and Megatron agree, both at rollout.temperature (1.0; eval.temperature is 0.6 here)
+        assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3
         assert 0 <= m["rollout/kl"] < 1e-6 and "rollout/tis_capped_frac" not in m  # truncated IS is off
     assert lines[1]["trainer/optimizer_steps"] == 4
     # KL in the reward: step 1 samples from the reference itself (exactly 0), step 2 from weights trained twice

@@ -1,106 +1,167 @@
-"""Token logprobs and entropy from vocab-parallel logits, never gathering the vocabulary.
+"""Token logprobs and entropy from vocab-parallel logits in one pass, never gathering the vocabulary.
 
-Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary. The
-log-softmax needs only three all-reduces over the TP group: the max, the sum of exps, and
-the target's logit (held by one rank). Columns past the real vocabulary (padding for GEMM
-shapes) are excluded. Logits are divided by the rollout temperature first, so the logprobs
-are those of the distribution the responses were sampled from.
+Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary, in the model's dtype (bf16 or
+fp32). One chunked pass over this rank's rows reads every logit once and yields, per row, the local max, the sum of
+exp(z - max) and (when the entropy is asked for) the sum of exp(z - max) * (z - max), with z = logits / temperature
+(no division at temperature 1), each chunk upcast to float32 as it is read. Two all-reduces of [N]-vectors over the
+TP group combine them (the max; then the rescaled sums with the target's logit, which only its owning rank holds):
+
+    logsumexp = M + log S,   logp = z[y] - logsumexp,   entropy = log S - W / S
+
+where M is the global max, S = sum exp(z - M) and W = sum exp(z - M) * (z - M) over the whole vocabulary. Columns
+past the real vocabulary (padding for GEMM shapes, on the last ranks) are sliced off, never read.
+
+Backward needs no communication: d logp / d logits = (onehot(y) - softmax(z)) / temperature, rebuilt chunk by chunk
+from the logits (saved by reference, not copied) and the per-row logsumexp. What autograd keeps between forward and
+backward is the logits tensor itself plus [N]-vectors; never an [N, V] float32 tensor. The entropy is a metric:
+non-differentiable.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
+CHUNK_ELEMENTS = 1 << 26
+"""Rows of at most this many logits (256 MiB as float32) are upcast and processed at a time, forward and backward:
+each chunk costs two float32 temporaries of its size, whatever the micro-batch (a whole [4096, 151936] micro-batch
+at once held 2.3 GiB per float32 temporary)."""
+
 
 def _tp(layout):
-    """(the tensor-parallel group or None alone, this rank's place in it, its size): ranks from the Layout."""
+    """(the tensor-parallel group or None alone, this rank's place in it): from the Layout."""
     if layout.tp == 1:
-        return None, 0, 1
+        return None, 0
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_group(), layout.tp_rank, layout.tp
+    return parallel_state.get_tensor_model_parallel_group(), layout.tp_rank
 
 
-def _scaled(logits: torch.Tensor, temperature: float, vocab_size: int, rank: int) -> torch.Tensor:
-    """fp32 logits / temperature with padded-vocabulary columns at -inf."""
-    z = logits.float() / temperature
-    part = z.shape[-1]
-    start = rank * part
-    if start + part > vocab_size:
-        col = torch.arange(start, start + part, device=z.device)
-        z = z.masked_fill(col >= vocab_size, float("-inf"))
-    return z
+def _shifted(chunk: torch.Tensor, temperature: float, shift: torch.Tensor) -> torch.Tensor:
+    """float32 chunk / temperature - shift[:, None]: [r, v] (any float dtype), [r] -> a fresh [r, v] float32 tensor,
+    the only temporary (the chunk itself is never written)."""
+    z = chunk.float()
+    fresh = chunk.dtype != torch.float32  # .float() of a float32 tensor is the tensor itself
+    if temperature != 1.0:
+        z = z.div_(temperature) if fresh else z / temperature
+        fresh = True
+    return z.sub_(shift.unsqueeze(-1)) if fresh else z - shift.unsqueeze(-1)
 
 
-class _VocabParallelLogprob(torch.autograd.Function):
-    """logp[t] = z[t, y_t] - logsumexp(z[t]) over the full vocabulary, z sharded on the last dim."""
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """(logits [N, V/tp], targets [N]) -> (logp [N] float32, entropy [N] float32 or None); see the module."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, targets: torch.Tensor, group, rank: int):
-        part = z.shape[-1]
-        z_max = z.max(dim=-1).values
-        if group is not None:
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (z - z_max.unsqueeze(-1)).exp_()  # in place: one [T, V] temporary fewer
-        sum_exp = exp.sum(dim=-1)
+    def forward(ctx, logits, targets, temperature: float, vocab_size: int, group, rank: int, with_entropy: bool):
+        n, part = logits.shape
+        valid = max(0, min(part, vocab_size - rank * part))  # this rank's real columns; the rest is padding
+        top = torch.full((n,), float("-inf"), device=logits.device)  # local max of z per row
+        total = torch.zeros(n, device=logits.device)  # sum exp(z - top)
+        weighted = torch.zeros(n, device=logits.device) if with_entropy else None  # sum exp(z - top) * (z - top)
+        if valid > 0:
+            step = max(1, CHUNK_ELEMENTS // valid)
+            start = 0
+            for c in logits[:, :valid].split(step):
+                rows = slice(start, start + c.shape[0])
+                m = c.amax(dim=-1).float()  # max(c) / T is max(c / T) to the bit: division by T > 0 is monotone
+                top[rows] = m / temperature if temperature != 1.0 else m
+                e = _shifted(c, temperature, top[rows])  # <= 0, exactly 0 at the max: exp cannot overflow
+                p = e.exp()
+                total[rows] = p.sum(dim=-1)
+                if weighted is not None:
+                    weighted[rows] = e.mul_(p).sum(dim=-1)
+                del e, p
+                start += c.shape[0]
         local = targets - rank * part
-        mine = (local >= 0) & (local < part)
-        target_z = torch.gather(z, -1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
-        target_z = torch.where(mine, target_z, torch.zeros_like(target_z))
+        mine = (local >= 0) & (local < valid)
+        target_z = torch.zeros(n, device=logits.device)
+        if valid > 0:
+            picked = logits.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1).float()
+            picked = picked / temperature if temperature != 1.0 else picked
+            target_z = torch.where(mine, picked, target_z)
         if group is not None:
-            dist.all_reduce(sum_exp, group=group)
-            dist.all_reduce(target_z, group=group)
-        logp = target_z - z_max - torch.log(sum_exp)
-        ctx.save_for_backward(exp, sum_exp, local, mine)
-        return logp
+            top_all = top.clone()
+            dist.all_reduce(top_all, op=dist.ReduceOp.MAX, group=group)
+            scale = torch.exp(top - top_all)  # 0 on a rank without real columns (top = -inf)
+            parts = [total * scale, target_z]
+            if weighted is not None:  # sum exp(z - M)(z - M) = scale * (weighted + (top - M) * total)
+                parts.append(torch.where(scale > 0, scale * (weighted + (top - top_all) * total), 0.0))
+            sums = torch.stack(parts)
+            dist.all_reduce(sums, group=group)
+            top, total, target_z = top_all, sums[0], sums[1]
+            weighted = sums[2] if weighted is not None else None
+        log_total = torch.log(total)
+        lse = top + log_total
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.rank, ctx.valid = temperature, rank, valid
+        logp = target_z - lse
+        if weighted is None:
+            return logp, None
+        entropy = log_total - weighted / total
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        exp, sum_exp, local, mine = ctx.saved_tensors
-        # d logp / d z = onehot(y) - softmax(z), on this rank's columns. Built in place in the saved exp: it is
-        # [T, V/tp] float32 (2.3 GiB for 4096 tokens of Qwen2.5's vocabulary) and this backward is its last use.
-        g = exp.div_(sum_exp.unsqueeze(-1)).mul_(-grad.unsqueeze(-1))
-        g.scatter_add_(-1, local.clamp(0, g.shape[-1] - 1).unsqueeze(-1), (grad * mine).unsqueeze(-1))
-        return g, None, None, None
+    def backward(ctx, grad_logp, grad_entropy):
+        with torch.profiler.record_function("vocab"):  # the vocabulary path's range in a profile (preflight's)
+            return _VocabParallelLogprobs._backward(ctx, grad_logp)
+
+    @staticmethod
+    def _backward(ctx, grad_logp):
+        logits, targets, lse = ctx.saved_tensors
+        temperature, rank, valid = ctx.temperature, ctx.rank, ctx.valid
+        n, part = logits.shape
+        grad = torch.empty_like(logits)
+        grad[:, valid:].zero_()  # padded columns: no gradient
+        if valid > 0:
+            coef = grad_logp.float() / temperature  # d logp / d z = onehot - softmax; dz / dlogits = 1 / T
+            local = targets - rank * part
+            mine = (local >= 0) & (local < valid)
+            index = local.clamp(0, valid - 1).unsqueeze(-1)
+            step = max(1, CHUNK_ELEMENTS // valid)
+            for start in range(0, n, step):
+                rows = slice(start, min(start + step, n))
+                g = _shifted(logits[rows, :valid], temperature, lse[rows]).exp_()  # softmax(z)
+                g.mul_(-coef[rows].unsqueeze(-1))
+                g.scatter_add_(-1, index[rows], torch.where(mine[rows], coef[rows], 0.0).unsqueeze(-1))
+                grad[rows, :valid] = g
+                del g
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    group: Optional[dist.ProcessGroup] = None,
+    rank: int = 0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token logprobs (and entropies) of softmax(logits / temperature) over the full vocabulary.
+
+    logits: [..., V/tp] (bf16 or fp32; this rank's columns rank * V/tp ... of the padded vocabulary), targets:
+    [...] global token ids (< vocab_size) -> (logp [...] float32, differentiable in logits; entropy [...] float32,
+    not differentiable, or None unless with_entropy). vocab_size: the real vocabulary (columns at or past it are
+    padding, ignored). group: the tensor-parallel group (None alone: then rank is 0); rank: this rank's place in it.
+    Every rank of the group must call with the same rows.
+    """
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])  # a view of the contiguous logits a model returns
+    with torch.profiler.record_function("vocab"):
+        logp, entropy = _VocabParallelLogprobs.apply(
+            flat, targets.reshape(-1), float(temperature), vocab_size, group, rank, with_entropy
+        )
+    return logp.view(lead), entropy.view(lead) if entropy is not None else None
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, layout
-) -> torch.Tensor:
-    """logits: [B, T, V/tp] (any float dtype), targets: [B, T] global token ids -> logp [B, T] float32, differentiable.
-    layout: this rank's model.parallel.Layout (its tensor-parallel rank and size)."""
-    group, rank, _ = _tp(layout)
-    z = _scaled(logits, temperature, vocab_size, rank)
-    return _VocabParallelLogprob.apply(z, targets, group, rank)
-
-
-ENTROPY_CHUNK_ELEMENTS = 1 << 26
-"""token_entropy works on rows of at most this many logits (256 MiB in float32) at a time: a whole micro-batch at
-once held five [T, V] float32 temporaries (about 12 GiB for 4096 tokens of Qwen2.5's vocabulary)."""
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float, vocab_size: int, layout) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: [B, T, V/tp] -> [B, T] float32 (a metric, no grad).
-    layout: this rank's model.parallel.Layout."""
-    group, rank, size = _tp(layout)
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    chunks = flat.split(max(1, ENTROPY_CHUNK_ELEMENTS // max(1, flat.shape[-1])))
-    z_max = torch.cat([_scaled(c, temperature, vocab_size, rank).max(dim=-1).values for c in chunks])
-    if size > 1:
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-    sum_exp, weighted = torch.empty_like(z_max), torch.empty_like(z_max)
-    start = 0
-    for c in chunks:
-        rows = slice(start, start + c.shape[0])
-        shifted = _scaled(c, temperature, vocab_size, rank).sub_(z_max[rows].unsqueeze(-1))
-        exp = shifted.exp()
-        sum_exp[rows] = exp.sum(dim=-1)
-        # sum p * shifted; padded columns have exp = 0, so 0 * -inf must not become NaN
-        weighted[rows] = exp.mul_(shifted.masked_fill_(exp == 0, 0.0)).sum(dim=-1)
-        start += c.shape[0]
-    if size > 1:
-        dist.all_reduce(sum_exp, group=group)
-        dist.all_reduce(weighted, group=group)
-    return (torch.log(sum_exp) - weighted / sum_exp).view(logits.shape[:-1])
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, layout, with_entropy: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """vocab_parallel_logprobs on this rank's tensor-parallel group: logits [B, T, V/tp], targets [B, T] ->
+    (logp [B, T] float32, entropy [B, T] float32 or None unless with_entropy). layout: this rank's
+    model.parallel.Layout (its tensor-parallel rank and size)."""
+    group, rank = _tp(layout)
+    return vocab_parallel_logprobs(logits, targets, temperature, vocab_size, group, rank, with_entropy)

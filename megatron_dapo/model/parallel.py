@@ -43,6 +43,9 @@ class Layout:
     dp: int
     use_te: bool
     sequence_parallel: bool
+    attention: str
+    """The core attention that runs: 'te' (Transformer Engine's fused attention), 'sdpa' (model/attention.py) or
+    'unfused' (Megatron-Core's local DotProductAttention): model.attention resolved for this machine."""
     tp_rank: int = 0
     """This rank's place in its tensor-, pipeline-, context- and data-parallel groups (Megatron's order)."""
     pp_rank: int = 0
@@ -70,6 +73,13 @@ def use_transformer_engine(model: ModelConfig) -> bool:
     return model.transformer_impl == "auto" and have_transformer_engine()
 
 
+def resolve_attention(model: ModelConfig, use_te: bool) -> str:
+    """model.attention -> 'te', 'sdpa' or 'unfused': 'auto' is TE's own fused attention under TE, else SDPA."""
+    if model.attention == "auto":
+        return "te" if use_te else "sdpa"
+    return model.attention
+
+
 def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world_size: int) -> Layout:
     """Validate a layout without touching a device; returns it with dp filled in (rank fields 0)."""
     te = use_transformer_engine(model)
@@ -91,6 +101,12 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
         raise LayoutError(f"the model's {arch.num_layers} layers do not split evenly over {what} stages")
     if par.cp > 1 and not te:
         raise LayoutError(f"parallel.cp={par.cp} needs Transformer Engine (GPU only); use parallel.cp=1 here")
+    attention = resolve_attention(model, te)
+    if par.cp > 1 and attention != "te":
+        raise LayoutError(
+            f"parallel.cp={par.cp} needs Transformer Engine's attention (ring attention), but model.attention="
+            f"{model.attention!r}: use model.attention=auto"
+        )
     if model.fp8 is not None and not te:
         raise LayoutError(f"model.fp8={model.fp8!r} needs Transformer Engine (GPU only); set model.fp8=null")
     return Layout(
@@ -104,6 +120,7 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
         dp=world_size // cells,
         use_te=te,
         sequence_parallel=par.sequence_parallel and par.tp > 1 and te,
+        attention=attention,
     )
 
 

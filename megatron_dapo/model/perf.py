@@ -27,6 +27,16 @@ SHAPES = {
 }
 
 
+SPEC_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+"""Dense bf16 TFLOP/s of the card's data sheet (SXM), the denominator published MFU figures use (Megatron-LM's
+tables, PaLM): a card's own measured matmul rate is lower (757-796 TFLOP/s seen here), so MFU against it reads high."""
+
+
+def spec_tflops(device_name: str) -> float | None:
+    """The data-sheet dense bf16 rate of a GPU named like 'NVIDIA H100 80GB HBM3', or None for a card not listed."""
+    return next((v for k, v in SPEC_BF16_TFLOPS.items() if k in device_name), None)
+
+
 def model_flops_per_token(arch, seq: int) -> float:
     """Training FLOPs per token at sequence length seq: 6 N_mm + 6 layers seq q_dim (forward + backward)."""
     h, d = arch.hidden_size, arch.head_dim
@@ -138,11 +148,15 @@ def time_train_step(policy, samples: list, steps: int) -> tuple[float, float]:
     return sorted(t[0] for t in times)[len(times) // 2], sorted(t[1] for t in times)[len(times) // 2]
 
 
-def train_rates(arch, seq: int, tokens: int, devices: int, logprob_s: float, train_s: float, peak: float) -> dict:
+def train_rates(
+    arch, seq: int, tokens: int, devices: int, logprob_s: float, train_s: float, peak: float, spec: float | None = None
+) -> dict:
     """Tokens/s, TFLOP/s per device and MFU of a train step over `tokens` tokens (all ranks) on `devices`
-    devices; the old-logprob forward does a third of the train step's FLOPs. peak: TFLOP/s per device."""
+    devices; the old-logprob forward does a third of the train step's FLOPs. peak: the measured TFLOP/s per device
+    (mfu, logprob_mfu); spec: the card's data-sheet rate (mfu_spec, and step_mfu_spec over the old-logprob forward
+    and the train step together, what a rollout step's training phase achieves)."""
     flops = model_flops_per_token(arch, seq) * tokens
-    return {
+    out = {
         "train_step_s": round(train_s, 4),
         "train_tokens_per_s": round(tokens / train_s, 1),
         "logprob_tokens_per_s": round(tokens / logprob_s, 1),
@@ -150,3 +164,7 @@ def train_rates(arch, seq: int, tokens: int, devices: int, logprob_s: float, tra
         "mfu": round(flops / train_s / devices / 1e12 / peak, 4),
         "logprob_mfu": round(flops / 3 / logprob_s / devices / 1e12 / peak, 4),
     }
+    if spec:
+        out["mfu_spec"] = round(flops / train_s / devices / 1e12 / spec, 4)
+        out["step_mfu_spec"] = round(flops * 4 / 3 / (train_s + logprob_s) / devices / 1e12 / spec, 4)
+    return out

@@ -29,7 +29,7 @@ from megatron_dapo.config import Config
 from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
-from megatron_dapo.model.logprobs import token_entropy, token_logprobs
+from megatron_dapo.model.logprobs import token_logprobs
 from megatron_dapo.model.parallel import Layout
 
 # megatron-core's distributed optimizer clears the .grad of its (non-leaf) fp32 shard views in
@@ -100,10 +100,24 @@ def pack_microbatches(lengths: list[int], max_tokens: int, packed: bool = False)
     return batches
 
 
+FP8_GEMM_TOKENS = 16
+"""FP8 GEMMs (Transformer Engine) need each rank's token count divisible by this."""
+
+
+def row_multiple(layout, fp8: bool) -> int:
+    """What a micro-batch's row length is rounded up to (each padded row, or the THD pack): tp under sequence
+    parallel (a rank holds length / tp positions), 2 cp under context parallel (two chunks a rank), and under FP8
+    16 tokens for each rank's GEMMs after both splits: the product, since each split divides by its own factor."""
+    multiple = layout.tp if layout.sequence_parallel else 1
+    multiple *= 2 * layout.cp if layout.cp > 1 else 1
+    return multiple * (FP8_GEMM_TOKENS if fp8 else 1)
+
+
 def collate(
     samples: list[TrainSample], indices: list[int], device: torch.device, multiple: int = 1, packed: bool = False
 ) -> MicroBatch:
-    """Lay out samples[indices]; row lengths are rounded up to `multiple` (tp under sequence parallel)."""
+    """Lay out samples[indices]; row lengths are rounded up to `multiple` (row_multiple). The padding predicts no
+    response token: it is out of every mask, so it carries no loss, no gradient and no count."""
     seqs = [samples[i] for i in indices]
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in seqs]
     if packed:
@@ -234,12 +248,13 @@ class MegatronPolicy:
         if full_weights is not None:
             provider.load_full_weights(chunks, full_weights, arch, layout)
         self._forward_backward = get_forward_backward_func()
-        # THD packing needs Transformer Engine's attention; the local spec gets padded rows. Under context parallel
-        # THD would need per-sequence zig-zag partitioning: padded rows there too. seq-mean-token-mean means over
-        # each response's row: padded rows there too.
+        # THD packing needs an attention that takes packed rows (TE's or SDPA's); Megatron's unfused one gets padded
+        # rows. Under context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
+        # seq-mean-token-mean means over each response's row: padded rows there too.
         a = cfg.algorithm
         per_row = a.loss_agg_mode == "seq-mean-token-mean"
-        self.packed = cfg.train.packed_sequences and layout.use_te and layout.cp == 1 and not per_row
+        takes_packed = layout.attention in ("te", "sdpa")
+        self.packed = cfg.train.packed_sequences and takes_packed and layout.cp == 1 and not per_row
         self.offload = frozen and a.ref_offload and layout.device.type == "cuda"
         if frozen:
             for chunk in chunks:
@@ -296,9 +311,8 @@ class MegatronPolicy:
         """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         packed = self.packed
-        groups = pack_microbatches(lengths, self.cfg.train.max_tokens_per_microbatch, packed)
-        multiple = self.layout.tp if self.layout.sequence_parallel else 1
-        multiple *= 2 * self.layout.cp if self.layout.cp > 1 else 1  # two chunks per context-parallel rank
+        groups = pack_microbatches(lengths, self.cfg.train.microbatch_tokens(forward_only), packed)
+        multiple = row_multiple(self.layout, fp8=self.cfg.model.fp8 is not None)
         mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
         if self.layout.cp > 1:
             mbs = [_slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
@@ -325,27 +339,24 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, samples: list[TrainSample], temperature: float
+        self, samples: list[TrainSample], temperature: float, with_entropy: bool = False
     ) -> Optional[list[dict[str, torch.Tensor]]]:
-        """Response-token logprobs and entropy under the current weights (forward only).
+        """Response-token logprobs (and entropy if with_entropy) under the current weights (forward only).
 
-        Returns, on the last pipeline stage, one {"logp": [R], "entropy": [R]} float32 per
-        sample (CPU tensors); None on other stages.
+        Returns, on the last pipeline stage, one {"logp": [R]} float32 per sample (CPU tensors), with "entropy": [R]
+        float32 too if with_entropy (the same pass over the logits); None on other stages.
         """
         for m in self.model:
             m.eval()
         vocab = self.arch.vocab_size
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp = token_logprobs(logits, mb.targets, temperature, vocab, self.layout)
-            entropy = token_entropy(logits, temperature, vocab, self.layout)
+            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.layout, with_entropy)
+            rows = {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}
             if self.layout.cp > 1:  # spans index the full row: reassemble it from the CP ranks
-                logp, entropy = self._gather_cp(logp), self._gather_cp(entropy)
-            return (
-                torch.zeros((), device=logits.device),
-                torch.zeros((), dtype=torch.int),
-                {"spans": mb.spans, "logp": logp.cpu(), "entropy": entropy.cpu()},
-            )
+                rows = {k: self._gather_cp(v) for k, v in rows.items()}
+            out = {"spans": mb.spans, **{k: v.cpu() for k, v in rows.items()}}
+            return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), out
 
         if self.offload:  # the reference's weights come to the GPU for this pass only
             for m in self.model:
@@ -363,7 +374,7 @@ class MegatronPolicy:
         result: list[Optional[dict[str, torch.Tensor]]] = [None] * len(samples)
         for out in outputs:
             for i, row, start, end in out["spans"]:
-                result[i] = {"logp": out["logp"][row, start:end], "entropy": out["entropy"][row, start:end]}
+                result[i] = {k: out[k][row, start:end] for k in ("logp", "entropy") if k in out}
         return result  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- train step
@@ -396,7 +407,7 @@ class MegatronPolicy:
         t0 = time.perf_counter()
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp = token_logprobs(logits, mb.targets, temperature, vocab, self.layout)
+            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.layout, with_entropy=True)
             is_weight = None
             if tis_cap is not None and mb.rollout_logp is not None:
                 is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, tis_cap, a.log_ratio_clamp)
@@ -417,7 +428,6 @@ class MegatronPolicy:
                 kl_estimator=a.kl_estimator,
             )
             loss = out.loss_sum / max(normalizer, 1.0)
-            entropy = token_entropy(logits, temperature, vocab, self.layout)
             stats = dict(out.stats)
             stats["entropy_sum"] = torch.where(mb.loss_mask, entropy, torch.zeros_like(entropy)).sum()
             stats["loss"] = loss.detach().float()
@@ -429,7 +439,8 @@ class MegatronPolicy:
         outputs = self._run(samples, loss_fn, forward_only=False)
         metrics = self._reduce_metrics(outputs, normalizer, kl_term)  # identical on every rank: all skip together
         if math.isfinite(metrics["actor/loss"]):
-            applied, grad_norm, _ = self.optimizer.step()
+            with torch.profiler.record_function("optimizer"):  # a range of its own in a profile (preflight's)
+                applied, grad_norm, _ = self.optimizer.step()
         else:  # a NaN/inf loss would poison the weights and Adam's moments: drop this update
             applied, grad_norm = False, None
         if applied:

@@ -7,6 +7,7 @@ otherwise; everything else is the same code path on CPU and GPU.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
@@ -78,8 +79,13 @@ def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
         bias_dropout_fusion=layout.use_te,
         masked_softmax_fusion=layout.use_te,
         apply_rope_fusion=layout.use_te,
+        bias_activation_fusion=torch.cuda.is_available(),  # SwiGLU fused by Megatron's jit fuser (compiled on CUDA)
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # weight gradients accumulated into the fp32 main_grad by the GEMM itself: TE's layers can, but the output
+        # layer is Megatron's own ColumnParallelLinear, which needs apex's fused_weight_gradient_mlp_cuda for it
+        # (Megatron-LM turns the fusion off without apex too)
+        gradient_accumulation_fusion=layout.use_te
+        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         # our loss normalises by the mini-batch's global token count itself (see policy.py)
         calculate_per_token_loss=True,
         variable_seq_lengths=True,  # micro-batches are padded to their own longest sequence
@@ -89,15 +95,28 @@ def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
     )
 
 
-def layer_spec(arch: ModelArch, layout: Layout):
+def layer_spec(arch: ModelArch, layout: Layout, varlen_attention: bool = False):
+    """Megatron's TE or local layer spec, its core attention swapped for model/attention.py's SDPAttention when
+    layout.attention is 'sdpa' (the spec's extension point: a class with DotProductAttention's arguments)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if layout.use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    attention = spec.submodules.self_attention.submodules
+    if layout.attention == "sdpa":
+        from megatron_dapo.model.attention import SDPAttention
+
+        attention.core_attention = ModuleSpec(module=SDPAttention, params={"varlen": varlen_attention})
+    elif layout.attention == "unfused":
+        attention.core_attention = DotProductAttention
+    return spec
 
 
 def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
@@ -105,7 +124,7 @@ def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
     from megatron.core.models.gpt import GPTModel
 
     tf_config = transformer_config(arch, cfg, layout)
-    spec = layer_spec(arch, layout)
+    spec = layer_spec(arch, layout, cfg.model.varlen_attention)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None

@@ -14,7 +14,11 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
                    of the copy bandwidth
   train_tiny       the DAPO train step (old-logprob forward, forward + backward + AdamW) of a tiny shape: tokens/s
                    and MFU, activation recompute off and on (CPU: fp32, MFU against this CPU's own matmul rate)
-  train_0.5b/1.5b  CUDA: the same, bf16, Qwen2.5-0.5B and 1.5B shapes at sequence 4096, with peak GPU memory
+  train_0.5b/1.5b  CUDA: the same, bf16, Qwen2.5-0.5B and 1.5B shapes at sequence 4096, with peak GPU memory:
+                   SDPA attention (the default), Megatron's unfused attention without and with selective
+                   recompute, SDPA with full recompute; MFU against the measured matmul rate and the card's spec
+  profile          CUDA: one profiled 1.5B train step: the share of device time in attention, GEMMs, the vocabulary
+                   path and the optimizer, and the top kernels (JSON)
   determinism      the same two train steps twice from the same weights and batch: loss, gradient norm and old
                    logprobs bit-identical
   bridge           vLLM: Megatron -> vLLM weight sync into an engine started from dummy weights (GPU: the 1.5B
@@ -31,8 +35,9 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
   train_e2e        CUDA + vLLM: the trainer end to end under torchrun (Megatron policy and vLLM engine in one
                    process, streamed rollouts, syncs, checkpoints), two steps of a random tiny model; then the
                    same split in two processes (pipeline.mode=async at eta 0, weights over gloo on the one GPU)
-  te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences), and FP8 when
-                   the GPU has it (compute capability 8.9+)
+  te               CUDA + TE: the train step with Transformer Engine layers (packed THD sequences) at the 0.5B
+                   and 1.5B shapes, bf16 and FP8 (current scaling, compute capability 8.9+); TE's logprobs against
+                   the local layers' on the same weights, packed against padded, and determinism
 
 Each check runs in its own process (python -m megatron_dapo.preflight --child NAME), so a crash, a CUDA error or
 a hang is that check's failure and the others still run; the parent prints one table row per check as it finishes
@@ -67,6 +72,7 @@ from megatron_dapo.preflight.checks import (
     check_kernel_equality,
     check_kernel_timing,
     check_limits,
+    check_profile,
     check_te,
     train_check,
 )
@@ -120,6 +126,13 @@ CHECKS = [
     Check("train_tiny", train_check("tiny"), (), "MFU vs this device's own matmul rate; recompute costs ~1/3", 300),
     Check("train_0.5b", train_check("qwen2.5-0.5b"), ("cuda",), "bf16 MFU; compare with 1.5b and recompute", 420),
     Check("train_1.5b", train_check("qwen2.5-1.5b"), ("cuda",), "bf16 MFU, peak GiB at seq 4096", 480),
+    Check(
+        "profile",
+        check_profile,
+        ("cuda",),
+        "one 1.5B step's device time: attention <= 0.15, vocabulary (range) <= 0.08",
+        300,
+    ),
     Check("determinism", check_determinism, (), "bit-identical loss, grad norm and logprobs, two steps", 420),
     Check(
         "bridge",
@@ -151,7 +164,14 @@ CHECKS = [
         "< 0.05 mean, 2 checkpoints",
         420,
     ),
-    Check("te", check_te, ("cuda", "te"), "TE MFU vs train_0.5b's local layers; FP8 on 8.9+", 480),
+    Check(
+        "te",
+        check_te,
+        ("cuda", "te"),
+        "TE >= 1.15x train_*'s SDPA tokens/s; FP8 ~1.1-1.2x TE bf16; logp vs local < 0.05 mean, packed vs padded "
+        "< 0.05 max; 2/2 identical",
+        540,
+    ),
 ]
 BY_NAME = {c.name: c for c in CHECKS}
 
@@ -187,6 +207,8 @@ def child_env(name: str, cuda: bool) -> dict[str, str]:
     # port 0: the world of one's store binds a port of its own choosing (one picked here could be taken first)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
+    if name == "te":  # TE's fused attention backward is deterministic only when told (read at its import)
+        env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     if name == "kernel_equality" and not cuda:
         env["TRITON_INTERPRET"] = "1"  # read when the kernel is first compiled: set before the child starts
     return env
@@ -288,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     why_not = {
         "cuda": f"needs CUDA: torch {torch.__version__} sees no GPU here",
         "vllm": "needs vLLM: not installed",
-        "te": "needs Transformer Engine: not installed (not staged for the GPU machine: docs/slurm.md, GPU preflight)",
+        "te": "needs Transformer Engine: not installed (tools/stage_te.py builds and stages it for GPU nodes)",
     }
     ctx: dict[str, Any] = {"fast": args.fast}
     rows: list[Row] = []
