@@ -196,9 +196,20 @@ def train(config: str | None, overrides: list[str], nproc: int | None = None) ->
             run_rollout(cfg)
             return None
     stop = StopSignals()
-    if os.environ.get("RANK", "0") == "0":
-        log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)
+    lock = None
+    if os.environ.get("RANK", "0") == "0":  # the writer of checkpoints and metrics: one per run directory
+        from megatron_dapo.launch.writer_lock import WriterLock
 
+        lock = WriterLock.acquire(cfg.trainer.run_dir, log=log.warning)
+        log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)
+    try:
+        return _train(cfg, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, stop: StopSignals) -> None:
     import torch
     import torch.distributed as dist
 
@@ -254,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")
     args = ap.parse_intermixed_args(argv)  # options before, between or after the overrides
     quiet_libraries(args.debug)
+    from megatron_dapo.launch.lifeline import watch_launcher
+
+    watch_launcher()  # a process started by a launcher stops when the launcher is gone
     return run_cli(lambda: train(args.config, args.overrides, args.nproc), args.debug)
 
 

@@ -238,7 +238,7 @@ log "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes x 
     "($( ((ROLLOUT_NODES)) && echo "async: $ROLLOUT_NODES of them rollout, transport $head_node:$TRANSPORT_PORT" ||
         echo colocated)), rendezvous $head_node:$RDZV_PORT, run dir $RUN_DIR," \
     "latest checkpoint: ${latest_before:-none}, logs: $job_log"
-rollout_pid=""
+rollout_pid="" rollout_rc=""
 if ((ROLLOUT_NODES)); then # the engines first: the train side connects to their controller
     side rollout
     log "$(quote "${srun[@]}")"
@@ -251,13 +251,28 @@ log "$(quote "${srun[@]}")"
 srun_pid=$!
 # a USR1/USR2 that arrived before srun's pid was known (its trap could not pass it on) is passed on now
 if [[ -n $stop_signal && $stop_signal != TERM ]]; then kill -USR1 "$srun_pid" 2>/dev/null || true; fi
-# wait returns early when a trapped signal arrives; keep waiting until srun itself has ended
+# wait returns early when a trapped signal arrives; keep waiting until srun itself has ended. With two steps, look
+# at the rollout step every second too: one that fails stops the train step at once (nothing would stop it else).
 while :; do
     rc=0
+    if [[ -n $rollout_pid && -z $rollout_rc ]]; then
+        if ! kill -0 "$rollout_pid" 2>/dev/null; then
+            rollout_rc=0
+            wait "$rollout_pid" || rollout_rc=$?
+            if ((rollout_rc != 0)); then
+                log "the rollout step exited with status $rollout_rc: stopping the train step"
+                { kill -INT "$srun_pid" && sleep 0.3 && kill -INT "$srun_pid"; } 2>/dev/null || true # twice: srun kills it
+            fi
+            continue
+        fi
+        sleep 1 &
+        wait $! || true
+        kill -0 "$srun_pid" 2>/dev/null && continue
+    fi
     wait "$srun_pid" || rc=$?
     kill -0 "$srun_pid" 2>/dev/null || break
 done
-if [[ -n $rollout_pid ]]; then # the train side has told the controller to stop, or failed (the run is over)
+if [[ -n $rollout_pid && -z $rollout_rc ]]; then # the train side has told the controller to stop, or failed
     for _ in $(seq 600); do
         kill -0 "$rollout_pid" 2>/dev/null || break
         sleep 0.1

@@ -150,6 +150,26 @@ def test_a_launcher_is_named_first():
     )
 
 
+def test_a_ray_restart_resumes_even_where_the_config_does_not():
+    """examples/tiny_cpu.yaml says trainer.resume: false. `launch ray`'s first attempt runs it as asked; a restart after
+    a dead worker must continue from the newest checkpoint (as the Slurm requeue's dry run checks), not train from
+    step 0 again: the trainers' argv of each attempt (run_ray passes attempt_args to the job), read by the config.
+    The restart on a real cluster is the slow test below, whose own overrides resume anyway."""
+    import argparse
+
+    from megatron_dapo.launch.ray_cluster import attempt_args
+
+    config = str(REPO / "examples" / "tiny_cpu.yaml")
+    args = ["--config", config, "trainer.total_steps=3"]
+    trainer_argv = argparse.ArgumentParser()  # python -m megatron_dapo.train's arguments
+    trainer_argv.add_argument("--config")
+    trainer_argv.add_argument("overrides", nargs="*")
+    got = [trainer_argv.parse_intermixed_args(attempt_args(args, attempt)) for attempt in range(3)]
+    assert [load_config(a.config, a.overrides).trainer.resume for a in got] == [False, True, True]
+    assert all(a.config == config and "trainer.total_steps=3" in a.overrides for a in got)
+    assert "resume: false" in (REPO / "examples" / "tiny_cpu.yaml").read_text()
+
+
 @pytest.fixture(scope="module")
 def dp2(two_steps, tmp_path_factory):
     """two_steps' run at DP = 2, started by `python -m megatron_dapo.launch local --nproc-per-node 2` (torchrun, a

@@ -436,6 +436,35 @@ def test_failure_without_signal_exits_nonzero_and_is_not_requeued(job, rc, expec
     assert not (job["run"] / "FINISHED").exists()
 
 
+FAKE_SRUN_TWO_STEPS = """#!{python}
+import os, signal, sys, time
+# ROLLOUT_NODES: the rollout step fails after half a second; the train step runs until srun is interrupted twice
+if any("DAPO_ROLE=rollout" in a for a in sys.argv):
+    time.sleep(0.5)
+    sys.exit(9)
+ints = []
+def interrupted(signum, frame):  # srun: the second Ctrl-C within a second cancels the step
+    ints.append(signum)
+    with open(os.path.join(os.environ["FAKE_DIR"], "train_signals"), "a") as f:
+        f.write("INT\\n")
+    if len(ints) == 2:
+        sys.exit(130)
+signal.signal(signal.SIGINT, interrupted)  # a background job starts with SIGINT ignored; srun installs its own
+time.sleep(60)
+"""
+
+
+def test_async_a_failed_rollout_step_stops_the_train_step(job):
+    """ROLLOUT_NODES: the two sides are two srun steps; when the rollout step fails first, the batch script stops the
+    train step (srun's two interrupts) instead of leaving it waiting for batches that never come."""
+    _executable(job["fake"] / "bin" / "srun", FAKE_SRUN_TWO_STEPS.format(python=sys.executable))
+    env = dict(job["env"], ROLLOUT_NODES="1")
+    p = run("train_qwen32b.sh", "trainer.total_steps=7", env=env)
+    assert (job["fake"] / "train_signals").read_text() == "INT\nINT\n"
+    assert "the rollout step exited with status 9: stopping the train step" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 130 and "training failed with srun status 130" in p.stdout
+
+
 # ---------------------------------------------------------------- convert_checkpoint.sh, eval.sh
 
 

@@ -9,7 +9,9 @@ meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE), and 
 side, which saves and stops the controller, as a colocated run saves and exits. The train side's exit status is the
 job's; a rollout side that dies ends the train side at once (its last complete checkpoint stays the one to resume
 from) with one error line. A Slurm job sets the same variables per srun step instead (slurm/train_qwen32b.sh,
-ROLLOUT_NODES), a Ray job per actor (launch/ray_cluster.py).
+ROLLOUT_NODES), a Ray job per actor (launch/ray_cluster.py). Nothing outlives this launcher, even killed -9
+(lifeline.py): every process carries the run's tag, torchrun's agent has the parent-death signal and each trainer
+process watches this one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from typing import Optional
 
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
 from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
 from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
@@ -69,6 +72,14 @@ def train_command(args: list[str], procs: int) -> list[str]:
     return [*torchrun, "-m", "megatron_dapo.train", *args]
 
 
+def start_side(cmd: list[str], env: dict[str, str], procs: int) -> subprocess.Popen:
+    """Start one side (or the whole run) in a session of its own: a Ctrl-C at the terminal reaches the launcher
+    only, which asks the ranks to save. Nothing outlives the launcher (lifeline.py): torchrun's agent gets the
+    parent-death signal; each trainer process watches the launcher named in env."""
+    preexec = die_with_parent if procs > 1 else None
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=preexec)
+
+
 def signal_ranks(proc: subprocess.Popen, procs: int, signum: int) -> None:
     """A stop signal to the trainer's ranks themselves (SIGINT as SIGTERM): torchrun answers a SIGTERM by stopping
     its ranks and failing, where each rank on its own saves and exits 0 (and torchrun with them)."""
@@ -92,9 +103,8 @@ def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: i
     if cfg.pipeline.mode == "async":
         return run_async_local(config, overrides, cfg, nproc)
     args = [*(["--config", config] if config else []), *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
-    # its own session: a Ctrl-C at the terminal reaches this process only, which asks the ranks to save
-    proc = subprocess.Popen(train_command(args, nproc), env=env, start_new_session=True)
+    env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
+    proc = start_side(train_command(args, nproc), env, nproc)
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(proc, nproc, n)) for s in STOP_SIGNALS}
     try:
         return proc.wait()
@@ -113,7 +123,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             f"--nproc {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
         )
     args = [*(["--config", config] if config else []), *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
+    env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
     rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
     visible = visible_gpus()
@@ -122,9 +132,8 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             visible, cfg.pipeline.rollout_gpus, train_procs
         )
     rollout_cmd, train_cmd = train_command(args, cfg.pipeline.rollout_gpus), train_command(args, train_procs)
-    # own sessions: a Ctrl-C at the terminal reaches this process only, which asks the train side to save
-    rollout = subprocess.Popen(rollout_cmd, env=rollout_env, start_new_session=True)
-    train = subprocess.Popen(train_cmd, env=train_env, start_new_session=True)
+    rollout = start_side(rollout_cmd, rollout_env, cfg.pipeline.rollout_gpus)
+    train = start_side(train_cmd, train_env, train_procs)
 
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(train, train_procs, n)) for s in STOP_SIGNALS}
 

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from megatron_dapo.cli import UserError, tool_log
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.launch.lifeline import LAUNCHER_PID_ENV, LAUNCHER_START_ENV, RUN_TAG_ENV, new_run_tag
 from megatron_dapo.launch.local import ROLLOUT_EXIT_GRACE_S, STOP_SIGNALS
 from megatron_dapo.launch.procs import WORLD_ENV
 from megatron_dapo.launch.ray_worker import Worker
@@ -48,8 +49,10 @@ FORWARDED_PREFIXES = (
 )  # fmt: skip
 """The driver's variables every trainer process gets (a Ray worker has its raylet's environment, not the driver's):
 the libraries' settings, credentials and PYTHONPATH, as srun --export=ALL passes them on Slurm."""
-NOT_FORWARDED = (*WORLD_ENV, "CUDA_VISIBLE_DEVICES", ROLE_ENV, TRANSPORT_ENV, TRAIN_PROCS_ENV)
-"""Set per worker by the launcher, never taken from the driver."""
+NOT_FORWARDED = (
+    *WORLD_ENV, "CUDA_VISIBLE_DEVICES", ROLE_ENV, TRANSPORT_ENV, TRAIN_PROCS_ENV, LAUNCHER_PID_ENV, LAUNCHER_START_ENV
+)  # fmt: skip
+"""Set per worker by the launcher (the launcher a trainer dies with is its actor), never taken from the driver."""
 POLL_S = 0.3
 ACTOR_CALL_TIMEOUT_S = 60.0
 """How long an actor may take to answer one call before the driver counts it as lost."""
@@ -148,6 +151,12 @@ class Stop:
         self.name = self.name or signal.Signals(signum).name
 
 
+def attempt_args(args: list[str], attempt: int) -> list[str]:
+    """The trainers' arguments on attempt `attempt` (0 the first): a restart continues this run from its newest
+    checkpoint (trainer.resume=true, last so it wins), whatever the config asked."""
+    return [*args, "trainer.resume=true"] if attempt else list(args)
+
+
 def run_ray(config: Optional[str], overrides: list[str], cfg: Config, opts: Options) -> int:
     """Run the job on the cluster at opts.address; the exit status (0: finished, or stopped by a signal after every
     trainer saved)."""
@@ -172,17 +181,17 @@ def run_ray(config: Optional[str], overrides: list[str], cfg: Config, opts: Opti
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         check_resources(ray, opts)
+        run_tag = os.environ.get(RUN_TAG_ENV) or new_run_tag()  # every attempt's processes carry it
         for attempt in range(opts.max_restarts + 1):
-            extra = ["trainer.resume=true"] if attempt else []  # a restart continues this run, whatever was asked
-            job = Job(ray, opts, slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus), cfg)
+            job = Job(ray, opts, slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus), cfg, run_tag)
             try:
                 job.place(paths, stop)
                 if stop.count:
                     raise UserError(f"{stop.name} before the trainers started: nothing ran")
                 if opts.print_only:
-                    job.describe([*args, *extra])
+                    job.describe(attempt_args(args, attempt))
                     return 0
-                outcome = job.run([*args, *extra], stop)
+                outcome = job.run(attempt_args(args, attempt), stop)
             finally:
                 job.release()
             if outcome is None:
@@ -246,10 +255,11 @@ def check_resources(ray: Any, opts: Options) -> None:
 class Job:
     """One attempt: the placement group, its actors and their trainer processes."""
 
-    def __init__(self, ray: Any, opts: Options, slots: list[Slot], cfg: Config) -> None:
+    def __init__(self, ray: Any, opts: Options, slots: list[Slot], cfg: Config, run_tag: str = "") -> None:
         self.ray, self.opts, self.slots, self.cfg = ray, opts, slots, cfg
         self.group: Any = None
         self.actors: list[Any] = []
+        self.run_tag = run_tag or new_run_tag()
 
     def place(self, paths: list[str], stop: Stop) -> None:
         """Reserve the bundles, start an actor on each slot, and give every slot its world."""
@@ -320,7 +330,8 @@ class Job:
     def run(self, args: list[str], stop: Stop) -> Optional[str]:
         """Start every trainer and supervise them: None when all exited 0 (finished, or saved after a stop
         signal), else why the attempt failed."""
-        env = forwarded_env(dict(os.environ))
+        # every attempt of this launch carries its tag: a restart takes over the run directory's writer lock
+        env = {RUN_TAG_ENV: self.run_tag, **forwarded_env(dict(os.environ))}
         cwd = os.getcwd()
         self.call("start", [[args, {**env, **s.env}, cwd, self.banner(s)] for s in self.slots])
         done: dict[int, int] = {}

@@ -4,14 +4,13 @@ imports this module and the standard library only (not torch, not the trainer), 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import threading
 from typing import Any, Optional
 
+from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
 from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
 
 
@@ -47,9 +46,10 @@ class Worker:
     def start(self, args: list[str], env: dict[str, str], cwd: str, banner: str) -> int:
         """Start `python -m megatron_dapo.train ARGS` with env over this actor's own (Ray's CUDA_VISIBLE_DEVICES and
         the rest); returns its pid. The process dies with this actor (PR_SET_PDEATHSIG) and gets a session of its own
-        (the whole tree is killed together)."""
+        (the whole tree is killed together); it also watches this actor as its launcher (lifeline.py), which
+        stops its own children first."""
         full = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
-        full.update(env)
+        full = launcher_env({**full, **env})
         full["PYTHONUNBUFFERED"] = "1"  # lines as they are written
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_dapo.train", *args],
@@ -61,7 +61,7 @@ class Worker:
             text=True,
             errors="replace",
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.lines.append(f"{banner}, pid {self.proc.pid}")
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -93,12 +93,3 @@ class Worker:
         """SIGKILL the trainer process and everything under it (its reward workers)."""
         if self.proc is not None:
             kill_tree(self.proc)
-
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child calls it and nothing else
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when its parent (the actor) dies, so no trainer outlives its actor."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,0 +1,357 @@
+"""Nothing of a run outlives its launcher, and a run directory has one live writer (megatron_dapo/launch/lifeline.py,
+megatron_dapo/launch/writer_lock.py): the lock's rules in this process and in racing processes, then the launcher
+killed -9 (its process group, as a terminal's hang-up or a batch system does) with the asynchronous sides at eta = 1
+and with `launch local --nproc-per-node 2`: within 10 s no process of the run is left (found by the run's tag, as
+orphans are adopted by init), and the next launch takes the lock over and resumes, each step once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from run_helpers import metrics, python_path, wait_until
+
+from megatron_dapo.launch import writer_lock
+from megatron_dapo.launch.lifeline import RUN_TAG_ENV, launcher_alive, start_time
+from megatron_dapo.launch.writer_lock import LOCK_NAME, RunDirLocked, WriterLock
+
+HOST = socket.gethostname()
+
+
+def _write_lock(run_dir: Path, age_s: float = 0.0, **owner) -> Path:
+    """A lock as another writer left it, its heartbeat age_s old."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    path.write_text(json.dumps({"host": HOST, "tag": "", "nonce": "theirs", **owner}) + "\n")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+@pytest.fixture
+def other_writer():
+    """A live process on this host that is not this one: (pid, its start time)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc.pid, start_time(proc.pid)
+    proc.kill()
+    proc.wait()
+
+
+def _acquire(run_dir: Path, tag: str = "mine") -> tuple[WriterLock, list[str]]:
+    said: list[str] = []
+    return WriterLock.acquire(run_dir, tag=tag, log=said.append, heartbeat=False), said
+
+
+def test_a_live_writer_with_a_fresh_heartbeat_is_refused_in_one_line(tmp_path, other_writer):
+    pid, start = other_writer
+    path = _write_lock(tmp_path, age_s=writer_lock.STALE_S - 5, pid=pid, start=start, tag="job-a")
+    before = path.read_text()
+    with pytest.raises(RunDirLocked) as e:
+        _acquire(tmp_path, tag="job-b")
+    text = str(e.value)
+    assert "\n" not in text and str(tmp_path) in text and f"pid {pid} on {HOST}" in text
+    assert "heartbeat is 55 s old" in text
+    assert path.read_text() == before  # untouched
+    # another host's writer is not judged by its pid: only by its heartbeat
+    _write_lock(tmp_path, age_s=writer_lock.STALE_S - 5, host="elsewhere", pid=os.getpid() + 10**6)
+    with pytest.raises(RunDirLocked, match="on elsewhere"):
+        _acquire(tmp_path)
+
+
+def test_a_stale_heartbeat_is_taken_over_saying_so(tmp_path):
+    _write_lock(tmp_path, age_s=writer_lock.STALE_S + 5, host="elsewhere", pid=1234)
+    lock, said = _acquire(tmp_path)
+    assert lock.held() and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert said == [
+        f"{tmp_path}: took over the writer lock of pid 1234 on elsewhere (its heartbeat is 65 s old, over 60 s)"
+    ]
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists() and sorted(os.listdir(tmp_path)) == []  # nothing left aside
+
+
+def test_a_dead_owner_on_this_host_is_taken_over_and_a_reused_pid_too(tmp_path, other_writer):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lock(tmp_path, pid=gone.pid, start="1", tag="job-a")
+    lock, said = _acquire(tmp_path, tag="job-b")
+    assert said[0].endswith("(it is not running on this host)")
+    lock.release()
+    pid, start = other_writer  # running, but started at another time than the lock's owner: a reused pid
+    _write_lock(tmp_path, pid=pid, start=str(int(start) - 1), tag="job-a")
+    lock, said = _acquire(tmp_path, tag="job-b")
+    assert said[0].endswith("(it is not running on this host)")
+    lock.release()
+
+
+def test_the_same_job_takes_over_a_live_owner(tmp_path, other_writer):
+    """A Slurm requeue (SLURM_JOB_ID) or a Ray restart (the driver's run tag) of the same job."""
+    pid, start = other_writer
+    _write_lock(tmp_path, pid=pid, start=start, tag="slurm:4242")
+    assert writer_lock.job_tag({"SLURM_JOB_ID": "4242", RUN_TAG_ENV: "x"}) == "slurm:4242"
+    assert writer_lock.job_tag({RUN_TAG_ENV: "x"}) == "x" and writer_lock.job_tag({}) == ""
+    lock, said = _acquire(tmp_path, tag="slurm:4242")
+    assert said[0].endswith("(the same job, slurm:4242)")
+    lock.release()
+    _write_lock(tmp_path, pid=pid, start=start, tag="")  # no tag on either side: never the same job
+    with pytest.raises(RunDirLocked):
+        _acquire(tmp_path, tag="")
+
+
+def test_a_takeover_that_finds_another_starter_s_new_lock_puts_it_back(tmp_path):
+    """Two starters judged the same dead owner; the first moved it aside and created its lock before the second's
+    rename: the second must put the first's lock back, not remove it."""
+    path = _write_lock(tmp_path, pid=1, start="1", nonce="first-taker")
+    lock = WriterLock(tmp_path, {"nonce": "second-taker"})
+    assert lock._move_aside({"nonce": "dead-owner"}) is False
+    assert json.loads(path.read_text())["nonce"] == "first-taker" and sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+    assert lock._move_aside({"nonce": "first-taker"}) is True and os.listdir(tmp_path) == []
+
+
+def test_the_trainer_refuses_a_run_directory_another_writer_holds(tmp_path, other_writer, run_main):
+    """Rank 0 takes the lock before it builds anything: one error line, nothing written, the lock untouched."""
+    from megatron_dapo.train import main
+
+    pid, start = other_writer
+    path = _write_lock(tmp_path, pid=pid, start=start, tag="theirs")
+    code, lines = run_main(main, [f"trainer.run_dir={tmp_path}", "trainer.total_steps=1"])
+    assert code == 1 and lines[-1].startswith(f"error: {tmp_path} is being written by pid {pid} on {HOST}"), lines
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME] and json.loads(path.read_text())["pid"] == pid
+
+
+def test_the_heartbeat_refreshes_the_lock_and_a_clean_exit_releases_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_lock, "HEARTBEAT_S", 0.05)
+    lock = WriterLock.acquire(tmp_path, tag="t")
+    path = tmp_path / LOCK_NAME
+    then = time.time() - 30
+    os.utime(path, (then, then))
+    wait_until(lambda: path.stat().st_mtime > then + 20, timeout=10, what="a heartbeat")
+    lock.release()
+    assert not path.exists() and not lock._beat.is_alive()
+
+
+_RACER = """
+import sys, time
+from pathlib import Path
+from megatron_dapo.launch.writer_lock import RunDirLocked, WriterLock
+run, go, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+try:
+    WriterLock.acquire(run, tag=me, log=lambda line: None, heartbeat=False)
+    print("won", flush=True)
+except RunDirLocked:
+    print("refused", flush=True)
+sys.stdin.read()  # alive (the lock's owner) until the test closes stdin
+"""
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh-directory", "dead-owner"])
+def test_of_racing_starters_one_wins(tmp_path, stale):
+    """Six processes let go at once on a new run directory, or on one whose owner is dead: exactly one takes it."""
+    run, go = tmp_path / "run", tmp_path / "go"
+    if stale:
+        _write_lock(run, pid=2**22 + 7, start="1")  # no such process
+    env = {**os.environ, "PYTHONPATH": python_path(Path(__file__).resolve().parent.parent)}
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(run), str(go), f"racer{i}"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    try:
+        assert [r.stdout.readline().strip() for r in racers] == ["ready"] * 6  # each imported, polling for go
+        go.touch()
+        said = [r.stdout.readline().strip() for r in racers]
+    finally:
+        for r in racers:
+            r.communicate("")
+    assert sorted(said) == ["refused"] * 5 + ["won"], said
+    winner = json.loads((run / LOCK_NAME).read_text())
+    assert winner["tag"] == f"racer{said.index('won')}"
+    assert sorted(os.listdir(run)) == [LOCK_NAME]  # nothing left aside
+
+
+# ----------------------------------------------------------------------------- the launcher killed -9
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
+    entry = f"{RUN_TAG_ENV}={tag}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+
+
+def _newest_complete(run: Path) -> int:
+    return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
+
+
+def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int) -> str:
+    """Start cmd (a launcher) in a session of its own, kill -9 its process group once step 1 is saved and a reward
+    worker runs, check that every process of the run is gone within 10 s, relaunch with trainer.resume=true and
+    return its stderr once it finished."""
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1 saved", proc=proc)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        environ = Path(f"/proc/{children[0]}/environ").read_text().split("\0")
+        tag = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{RUN_TAG_ENV}="))  # the launcher's
+        wait_until(lambda: any("multiprocessing" in c for c in _tagged(tag).values()), what="a reward worker")
+        under = _descendants(proc.pid)
+        before = _tagged(tag)
+        assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = time.monotonic()
+    try:
+        wait_until(lambda: not _tagged(tag), timeout=10, what="no process of the run left")
+    finally:
+        for pid in _tagged(tag):  # never leave them running for the rest of the suite
+            os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - killed_at < 10
+    saved = _newest_complete(run)
+    assert 1 <= saved < total and (run / LOCK_NAME).is_file()  # the killed writer could not release it
+
+    again = subprocess.run([*cmd, "trainer.resume=true"], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
+    assert f"resumed from step {saved}" in again.stderr
+    assert "took over the writer lock of pid " in again.stderr and "(it is not running on this host)" in again.stderr
+    assert [m["step"] for m in metrics(run)] == [float(k) for k in range(1, total + 1)]  # each step once
+    assert not (run / LOCK_NAME).exists()  # released at the clean exit
+    return again.stderr
+
+
+@pytest.mark.slow
+def test_async_sides_at_eta_1_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
+    """`python -m megatron_dapo.train pipeline.mode=async` at eta = 1 (the controller collects ahead): its process
+    group killed -9 after step 1's save. The rollout side (engine, reward pool), the train side and their workers
+    all stop within 10 s; the relaunch takes the dead writer's lock over, resumes from the newest complete checkpoint
+    and trains each step once, every prompt visit of the surviving steps counted once in its prompt memory."""
+    import torch
+
+    overrides, _, _ = two_steps
+    run = tmp_path / "run"
+    swap = {"algorithm.dynamic_sampling=false": "algorithm.dynamic_sampling=true", "eval.every=2": "eval.every=0"}
+    total = 3
+    cmd = [
+        sys.executable, "-m", "megatron_dapo.train", *[swap.get(o, o) for o in overrides],
+        "reward.verifier=reward_helpers:one_in_four",  # informative groups at random, so prompt memory records
+        "sampler.skip=true", "sampler.skip_adapt=1.0", f"trainer.total_steps={total}", "trainer.tensorboard=false",
+        "pipeline.mode=async", "sampler.max_staleness=1", f"trainer.run_dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
+    _kill_launcher_then_resume(cmd, env, run, tmp_path, total)
+    lines = metrics(run)
+    last = torch.load(run / "checkpoints" / f"step_{total:08d}" / "state" / "rank00000.pt", weights_only=False)
+    visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
+    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
+
+
+@pytest.mark.slow
+def test_launch_local_torchrun_ranks_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
+    """`launch local --nproc-per-node 2`: torchrun's agent dies with the launcher (parent-death signal), its two
+    ranks see the launcher gone and stop with their reward workers; the relaunch resumes, each step once."""
+    overrides, _, _ = two_steps
+    run = tmp_path / "run"
+    total = 2
+    cmd = [
+        sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "2", *overrides,
+        "eval.every=0", f"trainer.total_steps={total}", "trainer.tensorboard=false", f"trainer.run_dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _kill_launcher_then_resume(cmd, env, run, tmp_path, total)
+
+
+def test_a_trainer_process_stops_with_its_launcher_and_its_children(tmp_path):
+    """The watch itself, without a run: a process watching a launcher that is killed kills its own child and exits
+    1 with one line; a launcher that is gone before the watch starts (or a reused pid) ends it at once."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watcher = """
+import subprocess, sys, time
+from megatron_dapo.launch.lifeline import watch_launcher
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+watch_launcher()
+time.sleep(600)
+"""
+    env = {
+        **os.environ,
+        "DAPO_LAUNCHER_PID": str(launcher.pid),
+        "DAPO_LAUNCHER_START": start_time(launcher.pid),
+        "PYTHONPATH": python_path(Path(__file__).resolve().parent.parent),
+    }
+    proc = subprocess.Popen([sys.executable, "-c", watcher], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    child = int(proc.stdout.readline())
+    try:
+        assert proc.poll() is None and launcher_alive(launcher.pid, env["DAPO_LAUNCHER_START"])
+        launcher.kill()  # not reaped until the watcher has stopped: a zombie is not a running launcher
+        _, err = proc.communicate(timeout=30)
+        launcher.wait()
+        assert proc.returncode == 1
+        assert err.strip() == f"error: the launcher (pid {launcher.pid}) is gone; this process and its children stop"
+        wait_until(lambda: start_time(child) is None, timeout=10, what="the watcher's child killed")
+    finally:  # nothing left running whatever failed
+        for pid in (launcher.pid, proc.pid, child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        proc.wait()
+    # a pid now running something else (another start time) is not the launcher: the watch ends at once
+    reused = {**env, "DAPO_LAUNCHER_PID": str(os.getpid()), "DAPO_LAUNCHER_START": "1"}
+    done = subprocess.run([sys.executable, "-c", watcher], env=reused, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "is gone" in done.stderr
+    assert not launcher_alive(os.getpid(), "1") and launcher_alive(os.getpid(), "")
+
+
+def test_torchrun_s_agent_dies_with_the_launcher():
+    """A side of several processes (torchrun's agent, which watches no launcher) gets the parent-death signal: it is
+    killed once the launcher's thread that started it is gone (here a thread of this process, which then ends); a
+    one-process side is a trainer and watches the launcher itself (tested above)."""
+    import threading
+
+    from megatron_dapo.launch.local import start_side
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    sides = []
+    starter = threading.Thread(target=lambda: sides.extend(start_side(sleeper, dict(os.environ), n) for n in (2, 1)))
+    starter.start()
+    starter.join()
+    agent, single = sides
+    try:
+        assert agent.wait(timeout=10) == -signal.SIGKILL
+        assert single.poll() is None
+    finally:
+        for side in sides:
+            side.kill()
+            side.wait()
