@@ -105,14 +105,21 @@ def test_the_same_job_takes_over_a_live_owner(tmp_path, other_writer):
         _acquire(tmp_path, tag="")
 
 
-def test_a_takeover_that_finds_another_starter_s_new_lock_puts_it_back(tmp_path):
-    """Two starters judged the same dead owner; the first moved it aside and created its lock before the second's
-    rename: the second must put the first's lock back, not remove it."""
+def test_a_takeover_replaces_only_the_owner_it_judged_and_one_at_a_time(tmp_path):
+    """Two starters judged the same dead owner; the first replaced it with its own lock before the second came: the
+    second must leave the first's lock alone. A taker holding the guard makes the others wait; a guard left by a
+    taker that died is cleared once stale."""
     path = _write_lock(tmp_path, pid=1, start="1", nonce="first-taker")
     lock = WriterLock(tmp_path, {"nonce": "second-taker"})
-    assert lock._move_aside({"nonce": "dead-owner"}) is False
+    assert lock._replace({"nonce": "dead-owner"}) is False
     assert json.loads(path.read_text())["nonce"] == "first-taker" and sorted(os.listdir(tmp_path)) == [LOCK_NAME]
-    assert lock._move_aside({"nonce": "first-taker"}) is True and os.listdir(tmp_path) == []
+    guard = tmp_path / f"{LOCK_NAME}.takeover"
+    guard.write_text("another taker")
+    assert lock._replace({"nonce": "first-taker"}) is False and guard.exists()  # not while another holds the guard
+    os.utime(guard, (time.time() - 60, time.time() - 60))
+    assert lock._replace({"nonce": "first-taker"}) is False and not guard.exists()  # a dead taker's guard: cleared
+    assert lock._replace({"nonce": "first-taker"}) is True
+    assert json.loads(path.read_text())["nonce"] == "second-taker" and os.listdir(tmp_path) == [LOCK_NAME]
 
 
 def test_the_trainer_refuses_a_run_directory_another_writer_holds(tmp_path, other_writer, run_main):

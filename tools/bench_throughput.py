@@ -215,12 +215,14 @@ def _train(policy, arch, layout, args) -> dict:
 def _sync(bridge, engine, syncs: int) -> dict:
     runs = sorted((bridge.sync(engine) for _ in range(syncs)), key=lambda s: s["weight_sync/seconds"])
     mid = runs[len(runs) // 2]
+    # four significant figures, not decimals: a tiny model's sync moves under a MB, and on a loaded CPU its GB/s
+    # rounded to 4 decimals read 0.0
     return {
-        "sync_s": round(mid["weight_sync/seconds"], 4),
-        "sync_gb": round(mid["weight_sync/gb"], 4),
-        "sync_gb_per_s": round(mid["weight_sync/gb_per_s"], 4),
+        "sync_s": float(f"{mid['weight_sync/seconds']:.4g}"),
+        "sync_gb": float(f"{mid['weight_sync/gb']:.4g}"),
+        "sync_gb_per_s": float(f"{mid['weight_sync/gb_per_s']:.4g}"),
         "sync_buckets": int(mid["weight_sync/buckets"]),
-        "sync_quantize_s": round(mid["weight_sync/quantize_seconds"], 4),
+        "sync_quantize_s": float(f"{mid['weight_sync/quantize_seconds']:.4g}"),
     }
 
 

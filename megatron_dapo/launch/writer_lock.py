@@ -11,8 +11,8 @@ takes the lock over, saying so, when
   restart: the driver's DAPO_RUN_TAG).
 
 Creation is atomic (a file written aside, then hard-linked to the lock's name: link fails if the name exists), so of
-two starters one wins; a takeover moves the old file aside by rename (one of two takers gets it), checks it moved
-the owner it judged, and then creates as a starter does. A clean exit removes the lock.
+two starters one wins; takeovers go one at a time under a guard file created the same way: the taker reads the lock
+again, and if it is still the owner it judged, overwrites it in one rename. A clean exit removes the lock.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ HEARTBEAT_S = 5.0
 """How often the owner refreshes the lock's mtime."""
 STALE_S = 60.0
 """A lock whose heartbeat is older than this is taken over (its owner stopped beating: gone, or hung)."""
-ATTEMPTS = 5
+ATTEMPTS = 20
 """Takeovers lost to another starter before giving up."""
+GUARD_STALE_S = 10.0
+"""A takeover guard older than this was left by a taker that died holding it (a takeover holds it milliseconds)."""
 
 
 class RunDirLocked(UserError):
@@ -104,9 +106,10 @@ class WriterLock:
             why = lock._takeover_reason(owner, mtime)
             if why is None:
                 raise RunDirLocked(lock._refusal(owner, mtime))
-            if lock._move_aside(owner) and lock._create():
+            if lock._replace(owner):
                 log(f"{run_dir}: took over the writer lock of {_who(owner)} ({why})")
                 break
+            time.sleep(0.01 * (1 + secrets.randbelow(10)))  # another taker holds the guard: let it finish
         else:
             raise RunDirLocked(f"{run_dir}: could not take the writer lock ({ATTEMPTS} tries lost to other starters)")
         if heartbeat:
@@ -117,14 +120,7 @@ class WriterLock:
     def _create(self) -> bool:
         """Atomically create the lock holding this record; False when one exists."""
         tmp = self.run_dir / f"{LOCK_NAME}.{self.record['nonce']}"
-        tmp.write_text(json.dumps(self.record) + "\n")
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink()
+        return _link_new(self.path, tmp, json.dumps(self.record) + "\n")
 
     def _takeover_reason(self, owner: dict[str, Any], mtime: float) -> Optional[str]:
         """Why the lock of owner (heartbeat at mtime) may be taken over; None: it is live, refuse."""
@@ -149,22 +145,26 @@ class WriterLock:
             f"{STALE_S:g} s old or that process is gone"
         )
 
-    def _move_aside(self, owner: dict[str, Any]) -> bool:
-        """Rename the lock judged (owner) out of the way; False when another starter was faster. A lock renamed that
-        turns out to be another's (a starter took over and created its own in between) goes back."""
-        aside = self.run_dir / f"{LOCK_NAME}.old.{self.record['nonce']}"
+    def _replace(self, owner: dict[str, Any]) -> bool:
+        """Replace the lock of `owner` (judged gone) by this one; False when another starter got there first. One taker
+        at a time: the takeover guard is created atomically, and under it the lock is read again and, still owner's,
+        overwritten in one rename; a guard older than GUARD_STALE_S is a taker's that died holding it, removed."""
+        guard = self.run_dir / f"{LOCK_NAME}.takeover"
+        if not _link_new(guard, self.run_dir / f"{guard.name}.{self.record['nonce']}", self.record["nonce"]):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - guard.stat().st_mtime > GUARD_STALE_S:
+                    guard.unlink()
+            return False
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        moved, _ = _read(aside)
-        if moved is not None and moved.get("nonce") != owner.get("nonce"):
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.path)  # put the live one back (its owner's heartbeat checks it is still there)
-            aside.unlink()
-            return False
-        aside.unlink()
-        return True
+            current, _ = _read(self.path)
+            if current is None or current.get("nonce") != owner.get("nonce"):
+                return False  # taken over or released meanwhile: judge again
+            tmp = self.run_dir / f"{LOCK_NAME}.{self.record['nonce']}"
+            tmp.write_text(json.dumps(self.record) + "\n")
+            os.replace(tmp, self.path)
+            return True
+        finally:
+            guard.unlink()
 
     def held(self) -> bool:
         """The lock file is still this process's."""
@@ -187,6 +187,19 @@ class WriterLock:
         if self.held():
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+def _link_new(path: Path, tmp: Path, text: str) -> bool:
+    """Create path holding text, atomically (written to tmp, hard-linked: the link fails if path exists, also over
+    NFS, where O_EXCL may not hold); False when path exists."""
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
 
 
 def _who(owner: dict[str, Any]) -> str:

@@ -178,7 +178,7 @@ def preflight_calls() -> list[str]:
         f"{run} --deadline-s 420 --only env,train_e2e,inflight_update,sleep_wake,bridge,bridge_fp8 "
         f"--json $OUT/preflight_a.json; "
         f"{run} --deadline-s 100 --only limits,kernel_equality,determinism,train_tiny,te --json $OUT/preflight_b.json",
-        f"{run} --deadline-s 400 --only train_0.5b,train_1.5b,kernel_timing --json $OUT/preflight_c.json",
+        f"{run} --deadline-s 400 --only train_0.5b,train_1.5b,profile,kernel_timing --json $OUT/preflight_c.json",
     ]
 
 
