@@ -223,3 +223,11 @@ def test_train_config_budget_of_each_pass():
     assert (train.microbatch_tokens(False), train.microbatch_tokens(True)) == (4096, 32768)
     same = TrainConfig(max_tokens_per_microbatch=4096, max_tokens_per_forward=0)
     assert same.microbatch_tokens(True) == 4096
+
+
+def test_the_copied_constants_are_the_code_s():
+    """memory.py copies two constants so that it imports no torch: they must stay those of the code it models."""
+    from megatron_dapo.model import logprobs, provider
+
+    assert memory.VOCAB_DIVISIBLE_BY == provider.VOCAB_DIVISIBLE_BY
+    assert memory.CHUNK_ELEMENTS == logprobs.CHUNK_ELEMENTS
