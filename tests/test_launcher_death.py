@@ -1,8 +1,9 @@
 """Nothing of a run outlives its launcher, and a run directory has one live writer (megatron_dapo/launch/lifeline.py,
 megatron_dapo/launch/writer_lock.py): the lock's rules in this process and in racing processes, then the launcher
-killed -9 (its process group, as a terminal's hang-up or a batch system does) with the asynchronous sides at eta = 1
-and with `launch local --nproc-per-node 2`: within 10 s no process of the run is left (found by the run's tag, as
-orphans are adopted by init), and the next launch takes the lock over and resumes, each step once."""
+killed -9 (its process group, as a terminal's hang-up or a batch system does) with the asynchronous sides at eta = 1,
+the train side under torchrun (`launch local --nproc-per-node 3`): within 10 s no process of the run is left (found by
+the run's tag, as orphans are adopted by init), and the next launch takes the lock over and resumes, each step
+once."""
 
 from __future__ import annotations
 
@@ -219,10 +220,11 @@ def _newest_complete(run: Path) -> int:
     return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
 
 
-def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int) -> str:
+def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int,
+                               ranks: int) -> str:
     """Start cmd (a launcher) in a session of its own, kill -9 its process group once step 1 is saved and a reward
-    worker runs, check that every process of the run is gone within 10 s, relaunch with trainer.resume=true and
-    return its stderr once it finished."""
+    worker and `ranks` torchrun ranks run, check that every process of the run is gone within 10 s, relaunch with
+    trainer.resume=true and return its stderr once it finished."""
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -234,6 +236,8 @@ def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, t
         under = _descendants(proc.pid)
         before = _tagged(tag)
         assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
+        assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
+        assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= ranks, before
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -259,11 +263,14 @@ def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, t
 
 
 @pytest.mark.slow
-def test_async_sides_at_eta_1_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
-    """`python -m megatron_dapo.train pipeline.mode=async` at eta = 1 (the controller collects ahead): its process
-    group killed -9 after step 1's save. The rollout side (engine, reward pool), the train side and their workers
-    all stop within 10 s; the relaunch takes the dead writer's lock over, resumes from the newest complete checkpoint
-    and trains each step once, every prompt visit of the surviving steps counted once in its prompt memory."""
+def test_async_sides_and_torchrun_ranks_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
+    """`launch local --nproc-per-node 3 pipeline.mode=async` at eta = 1 (the controller collects ahead): a rollout
+    side of one process (engine, reward pool) and a train side under torchrun (its agent and two ranks). Its process
+    group killed -9 after step 1's save: torchrun's agent dies with the launcher (parent-death signal), the ranks and
+    the rollout process see the launcher gone, and with their workers all stop within 10 s; the relaunch takes the
+    dead writer's lock over, resumes from the newest complete checkpoint and trains each step once, every prompt
+    visit of the surviving steps counted once in its prompt memory. One run for both cases the issue names (the
+    asynchronous sides, torchrun's ranks): one launch's start-up less in the suite."""
     import torch
 
     overrides, _, _ = two_steps
@@ -271,32 +278,18 @@ def test_async_sides_at_eta_1_die_with_a_killed_launcher_and_the_next_launch_res
     swap = {"algorithm.dynamic_sampling=false": "algorithm.dynamic_sampling=true", "eval.every=2": "eval.every=0"}
     total = 3
     cmd = [
-        sys.executable, "-m", "megatron_dapo.train", *[swap.get(o, o) for o in overrides],
+        sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "3",
+        *[swap.get(o, o) for o in overrides],
         "reward.verifier=reward_helpers:one_in_four",  # informative groups at random, so prompt memory records
         "sampler.skip=true", "sampler.skip_adapt=1.0", f"trainer.total_steps={total}", "trainer.tensorboard=false",
         "pipeline.mode=async", "sampler.max_staleness=1", f"trainer.run_dir={run}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
-    _kill_launcher_then_resume(cmd, env, run, tmp_path, total)
+    _kill_launcher_then_resume(cmd, env, run, tmp_path, total, ranks=2)
     lines = metrics(run)
     last = torch.load(run / "checkpoints" / f"step_{total:08d}" / "state" / "rank00000.pt", weights_only=False)
     visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
     assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
-
-
-@pytest.mark.slow
-def test_launch_local_torchrun_ranks_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
-    """`launch local --nproc-per-node 2`: torchrun's agent dies with the launcher (parent-death signal), its two
-    ranks see the launcher gone and stop with their reward workers; the relaunch resumes, each step once."""
-    overrides, _, _ = two_steps
-    run = tmp_path / "run"
-    total = 2
-    cmd = [
-        sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "2", *overrides,
-        "eval.every=0", f"trainer.total_steps={total}", "trainer.tensorboard=false", f"trainer.run_dir={run}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _kill_launcher_then_resume(cmd, env, run, tmp_path, total)
 
 
 def test_a_trainer_process_stops_with_its_launcher_and_its_children(tmp_path):
