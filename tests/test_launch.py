@@ -292,8 +292,10 @@ def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_from_its_checkpoint(r
 def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resumes(ray_cluster, two_steps, tmp_path):
     """pipeline.mode=async on the Ray cluster: one rollout worker and one train worker, each on a node of its own,
     meeting at the rollout node's ports. SIGTERM to the launcher once step 1 is saved: the train side saves the step
-    in flight and stops the controller, every worker exits 0, so does the launcher; the next launch resumes and
-    finishes, each step once. At eta = 0 its steps are two_steps' one-process steps."""
+    in flight and stops the controller, every worker exits 0, so does the launcher. The next launch's driver is
+    killed -9 once its trainers resumed: within 30 s no trainer of the run is left (found by its command line, as
+    orphans are adopted by init). The third launch takes the dead trainer's writer lock over, resumes and finishes,
+    each step once. At eta = 0 its steps are two_steps' one-process steps."""
     overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
     split = ["pipeline.mode=async", "sampler.max_staleness=0", "trainer.total_steps=3", f"trainer.run_dir={run}"]
@@ -309,10 +311,20 @@ def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resume
     assert f"[train 0] SIGTERM: saved {run / 'checkpoints' / 'step_00000002'} at step 2; exiting" in text, text[-4000:]
     assert "[launch] SIGTERM: every trainer saved and exited; launch again to resume" in text
 
+    # the next driver killed -9 once its trainers run: Ray ends the job's actors, and each trainer dies with its actor
     out2 = tmp_path / "launch2.out"
     proc = _launch_ray(ray_cluster, out2, *args)
-    text = _ray_finished(proc, out2, run)
+    wait_until(lambda: "resumed from step 2" in out2.read_text(), what="the trainers resumed", proc=proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: not _trainers(run), timeout=30, what="no trainer of the killed driver's job left")
+    assert not (run / "checkpoints" / "step_00000003").exists()
+
+    out3 = tmp_path / "launch3.out"
+    proc = _launch_ray(ray_cluster, out3, *args)
+    text = _ray_finished(proc, out3, run)
     assert proc.returncode == 0 and "resumed from step 2" in text, text[-4000:]
+    assert "took over the writer lock of pid " in text  # the killed job's trainer could not release it
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0] and (run / "FINISHED").read_text().strip() == "3"
     assert all(m["weight_transport/gb"] > 0 for m in lines)
