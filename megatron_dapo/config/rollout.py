@@ -64,7 +64,7 @@ class RolloutConfig:
 
 @dataclass
 class PipelineConfig:
-    """Where generation and training run (issue 27; docs/async.md): colocated on the same processes, or split."""
+    """Where generation and training run (docs/async.md): colocated on the same processes, or split."""
 
     mode: str = "colocated"
     """colocated: every process trains and generates in turn (the default); async: the first
