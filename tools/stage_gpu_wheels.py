@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# On a GPU node this runs before anything is installed (`receive`, `install`): megatron_dapo comes from this
-# checkout, and offline_install (beside this script: python puts tools/ first on sys.path) needs only the
-# standard library and `packaging`.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# On a GPU node this runs before anything is installed (`receive`, `install`): offline_install comes from beside
+# this script (named here too: python -I or -P leaves the script's folder off sys.path), megatron_dapo from this
+# checkout; both need only the standard library and `packaging`.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from offline_install.staging import main  # noqa: E402
 

@@ -44,8 +44,8 @@ import zipfile
 from pathlib import Path
 from unittest import mock
 
-# the project comes from this checkout, as in tools/stage_gpu_wheels.py; offline_install from beside this script
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# as in tools/stage_gpu_wheels.py: offline_install from beside this script, the project from this checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from offline_install.pieces import MIB, check_chunk, reassemble, write_pieces  # noqa: E402
 

@@ -96,7 +96,9 @@ def write_pieces(src: Path, out: Path, files: list[Path], piece_bytes: int, meta
 def load_manifest(stage: Path) -> dict:
     path = stage / "manifest.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: run `python tools/stage_gpu_wheels.py stage` here (and carry it)")
+        raise SystemExit(
+            f"{path} is missing: run `python tools/stage_gpu_wheels.py stage` on the login node and copy it"
+        )
     return json.loads(path.read_text())
 
 
