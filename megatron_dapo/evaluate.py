@@ -39,7 +39,7 @@ from typing import Any
 
 from megatron_dapo.cli import argument_parser, quiet_libraries, run_cli, tool_log
 from megatron_dapo.convert.resolve import RUN_CONFIG
-from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.reward.accuracy import accuracy_at_k
 
 FLAG_KEYS = {
     "k": "eval.k",
@@ -192,21 +192,15 @@ def evaluate(engine, pool, prompts: list, cfg, batch_size: int, stop_token_ids: 
     """cfg.eval.k responses per prompt, generated batch_size problems at a time and scored; records in order.
 
     engine: a RolloutEngine; pool: a RewardPool; cfg: the Config (eval section, seed, rollout.max_response_length);
-    out: an open text file that gets each batch's records as JSON lines, or None.
+    out: an open text file that gets each batch's records as JSON lines, or None. The loop is the trainer's
+    (rollout/held_out.py), in a world of one process and one engine.
     """
+    from megatron_dapo.rollout.held_out import HeldOutEval
+
     e, records = cfg.eval, []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        groups = engine.generate(
-            [p.token_ids for p in batch],
-            n=e.k,
-            temperature=e.temperature,
-            top_p=e.top_p,
-            max_tokens=e.max_response_length or cfg.rollout.max_response_length,
-            stop_token_ids=stop_token_ids,
-            seed=cfg.seed + start * e.k,  # problem i, sample j: seed + i*k + j in any batching
-        )
-        scored = score_samples(pool, batch, groups)
+    held_out = HeldOutEval(engine, pool, rank=0, world=1, tp=1, seed=cfg.seed, stop_token_ids=stop_token_ids)
+    max_tokens = e.max_response_length or cfg.rollout.max_response_length
+    for batch, groups, scored in held_out.batches(prompts, e.k, e.temperature, e.top_p, max_tokens, batch_size):
         new = problem_records(batch, groups, scored)
         if out is not None:
             out.writelines(json.dumps(r) + "\n" for r in new)

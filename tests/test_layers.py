@@ -14,8 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = (
-    ("base", {"choices", "cli", "config", "types", "timing"}),  # leaves: the config tree, records, the command line
-    ("math", {"algorithm", "kernels"}),  # pure tensor math and its fused kernels
+    # leaves: the config tree, records, the policy loss's result type, the command line
+    ("base", {"choices", "cli", "config", "types", "timing", "loss_result"}),
+    ("kernels", {"kernels"}),  # the fused Triton loss: below algorithm/, whose loss registry picks it
+    ("algorithm", {"algorithm"}),  # pure tensor math
     ("reward", {"reward"}),
     ("model", {"model"}),
     ("convert", {"convert"}),
@@ -137,8 +139,17 @@ def test_the_rule_catches_an_upward_import_even_inside_a_function():
     )
     assert violations({"megatron_dapo.config": (old_config, False)}) == [
         "megatron_dapo.config -> megatron_dapo.data.datasets (base imports data)",
-        "megatron_dapo.config -> megatron_dapo.kernels (base imports math)",
+        "megatron_dapo.config -> megatron_dapo.kernels (base imports kernels)",
     ]
+    # the kernels are below the algorithm: the registry in algorithm/ may pick them, they take nothing from it
+    kernel = "from megatron_dapo.algorithm.policy_loss import STAT_KEYS\n"
+    assert violations({"megatron_dapo.kernels.fused_loss": (kernel, False)}) == [
+        "megatron_dapo.kernels.fused_loss -> megatron_dapo.algorithm.policy_loss (kernels imports algorithm)"
+    ]
+    assert (
+        violations({"megatron_dapo.algorithm.losses": ("from megatron_dapo.kernels import fused_policy_loss\n", False)})
+        == []
+    )
     assert (
         violations({"megatron_dapo.trainer": ("import megatron_dapo.model.policy\n", False)}) == []
     )  # downward is fine

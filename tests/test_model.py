@@ -24,8 +24,8 @@ from megatron_helpers import (
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
 from megatron_dapo.model.arch import ArchError, ModelArch
+from megatron_dapo.model.microbatch import TrainSample, collate, cp_slice, cp_unslice, pack_microbatches
 from megatron_dapo.model.parallel import LayoutError, check_layout
-from megatron_dapo.model.policy import TrainSample, collate, cp_slice, cp_unslice, pack_microbatches
 from megatron_dapo.model.sharding import tp_shard, tp_unshard
 
 VOCAB = 250  # not a multiple of 128: the padded vocabulary columns must not count
@@ -214,8 +214,8 @@ def test_fp8_micro_batches_are_padded_to_16_tokens_a_rank(seed, tp, sp, cp, fp8,
     """Under FP8 each rank's GEMM token count must divide by 16 after the sequence-parallel (tp) and context-parallel
     (2 cp chunks) splits: rows round up to the product 16 x tp x 2cp. The padding carries no loss and no gradient:
     it is out of the response and loss masks, which the token mean and its global count read."""
+    from megatron_dapo.model.microbatch import row_multiple
     from megatron_dapo.model.parallel import Layout
-    from megatron_dapo.model.policy import row_multiple
 
     layout = Layout(tp * cp, 0, 0, tp, 1, None, cp, 1, use_te=True, sequence_parallel=sp, attention="te")
     assert row_multiple(layout, fp8) == multiple

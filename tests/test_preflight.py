@@ -1,12 +1,10 @@
-"""tools/preflight.py's CPU subset end to end, how it reports a failing check, and tools/stage_gpu_wheels.py's
-pieces, manifest and reassembly on synthetic files (no network); their code is in megatron_dapo/preflight/."""
+"""tools/preflight.py's CPU subset end to end and how it reports a failing check; its code is in
+megatron_dapo/preflight/. (tools/stage_gpu_wheels.py, which installs the preflight's requirements onto GPU nodes
+without internet: tests/test_stage_gpu_wheels.py.)"""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +13,6 @@ import pytest
 import torch
 
 from megatron_dapo.preflight import run as preflight
-from megatron_dapo.preflight import staging
-from megatron_dapo.preflight.pieces import plan_pieces, reassemble, write_pieces
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -43,7 +39,7 @@ GPU_CHECKS = (
 def test_a_train_variant_out_of_gpu_memory_is_reported_not_fatal():
     """The 1.5B shape without recompute does not fit an 80 GiB H100 with the local layers (measured): the row
     reports what the variant asked for and passes on the variants that ran; with none run it fails."""
-    from megatron_dapo.preflight.checks import TRAIN_VARIANTS, variants_result
+    from megatron_dapo.preflight.train_checks import TRAIN_VARIANTS, variants_result
 
     message = "CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has a total capacity of 79.18 GiB"
     rates = {"train_tokens_per_s": 9000.0, "mfu": 0.12, "logprob_mfu": 0.11, "train_step_s": 3.6, "peak_gib": 50.2}
@@ -118,70 +114,3 @@ def test_a_failing_check_is_a_row_with_its_error_and_the_exit_status_says_so(tmp
         preflight.main(["--only", "env,nope"])
     # --only runs what it names in its order, once each: a device call puts what it needs most first
     assert [c.name for c in preflight.parse_only("train_e2e,env,train_e2e")] == ["train_e2e", "env"]
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def test_staging_splits_checks_and_reassembles_files_exactly(tmp_path, capsys):
-    src = tmp_path / "wheels"
-    src.mkdir()
-    rng = torch.Generator().manual_seed(0)
-    sizes = {"big-1.0-py3-none-any.whl": 2500, "mid-1.0-py3-none-any.whl": 700, "small-1.0-py3-none-any.whl": 90}
-    files = []
-    for name, size in sizes.items():
-        (src / name).write_bytes(bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist()))
-        files.append(src / name)
-    out = tmp_path / "gpu_stage"
-    manifest = write_pieces(src, out, files, 1000, {"present": {}, "projects": {}})
-    assert manifest == json.loads((out / "manifest.json").read_text())
-    # every piece within the limit; the big file in byte ranges, the small ones whole, nothing lost
-    assert all(sum(p.stat().st_size for p in (out / piece).iterdir()) <= 1000 for piece in manifest["pieces"])
-    by_name = {f["name"]: f for f in manifest["files"]}
-    assert [c["size"] for c in by_name["big-1.0-py3-none-any.whl"]["chunks"]] == [1000, 1000, 500]
-    assert [c["file"] for c in by_name["mid-1.0-py3-none-any.whl"]["chunks"]] == ["mid-1.0-py3-none-any.whl"]
-    assert len(manifest["pieces"]) == 4  # 1000 | 1000 | 700 + 90 | 500: first fit by decreasing size
-    assert sum(p["bytes"] for p in manifest["pieces"].values()) == sum(sizes.values())
-
-    # there: pieces arrive one per call, in any order; a damaged one is refused and named
-    damaged = out / "part_04" / next(iter(os.listdir(out / "part_04")))
-    good = damaged.read_bytes()
-    damaged.write_bytes(b"x" + good[1:])
-    assert staging.main(["--out", str(out), "receive", str(out / "part_04")]) == 1
-    assert "sha256 differs" in capsys.readouterr().out
-    damaged.write_bytes(good)
-    for piece in ("part_03", "part_01", "part_04"):
-        assert staging.main(["--out", str(out), "receive", str(out / piece)]) == 0
-    assert "received 3/4 pieces; missing part_02" in capsys.readouterr().out
-    assert staging.main(["--out", str(out), "install", "--target", str(tmp_path / "site")]) == 2
-    assert "missing pieces part_02" in capsys.readouterr().out
-    assert staging.main(["--out", str(out), "receive", str(out / "part_02")]) == 0
-    rebuilt = reassemble(manifest, lambda c: out / "recv" / c["file"], tmp_path / "rx")
-    assert {p.name: _sha(p) for p in rebuilt} == {f.name: _sha(f) for f in files}
-
-
-def test_device_calls_fit_the_device_limits():
-    manifest = {"pieces": {f"part_{i:02d}": {} for i in range(1, 7)}}
-    calls = staging.device_calls(manifest, "gpu_stage")
-    assert len(calls) == 7  # one per piece, the last one installing and starting the preflight, then the rest
-    assert all(len(c["command"]) <= 2000 and len(c.get("carry", [])) <= 8 for c in calls)
-    assert [c["carry"][0] for c in calls[:-1]] == [f"gpu_stage/part_{i:02d}" for i in range(1, 7)]
-    assert "install --target .gpu_site" in calls[5]["command"] and "preflight.py" in calls[5]["command"]
-    names = [n for c in calls for only in re.findall(r"--only (\S+)", c["command"]) for n in only.split(",")]
-    assert sorted(names) == sorted(preflight.BY_NAME)  # the two preflight calls between them run every check once
-
-
-def test_plan_pieces_is_deterministic_and_never_exceeds_a_piece():
-    files = [("a", 10), ("b", 35), ("c", 7), ("d", 0), ("e", 21)]
-    plan = plan_pieces(files, 16)
-    assert plan == plan_pieces(list(reversed(files)), 16)
-    assert all(sum(size for _, _, size in piece) <= 16 for piece in plan)
-    covered = {}
-    for piece in plan:
-        for name, offset, size in piece:
-            covered.setdefault(name, []).append((offset, size))
-    for name, size in files:  # each file's ranges tile it exactly
-        ranges = sorted(covered[name])
-        assert ranges[0][0] == 0 and sum(s for _, s in ranges) == size
-        assert all(a + s == b for (a, s), (b, _) in zip(ranges, ranges[1:]))

@@ -11,7 +11,7 @@ of the device-to-device copy bandwidth measured in the same run. The fused kerne
 twice: skipping padding in its loads (the default) and with plain vector loads.
 Without CUDA it runs the equality check in Triton's interpreter, says so, and exits 0.
 
-The checks and timings live in megatron_dapo/kernels/bench.py, the copy bandwidth in megatron_dapo/model/perf.py.
+The checks and timings live in megatron_dapo/preflight/kernel_bench.py, the copy bandwidth in megatron_dapo/model/perf.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("No CUDA device: running the equality check in Triton's interpreter (TRITON_INTERPRET=1) only.")
         os.environ["TRITON_INTERPRET"] = "1"  # the kernels JIT lazily, so this still takes effect
-        from megatron_dapo.kernels.bench import equality_check
+        from megatron_dapo.preflight.kernel_bench import equality_check
 
         ok = equality_check("cpu", b=4, t=1001)
         print("Equality check " + ("passed" if ok else "FAILED") + "; timings need a GPU, skipped.")
@@ -72,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import triton
 
-    from megatron_dapo.kernels.bench import bench_size, equality_check
+    from megatron_dapo.preflight.kernel_bench import bench_size, equality_check
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if not equality_check("cuda"):

@@ -1,7 +1,7 @@
 """avg@k / pass@k of a model on a math dataset with vLLM (python tools/eval.py --help).
 
-The evaluation and its command line: megatron_dapo/evaluate.py (the trainer's periodic evaluation shares
-its metrics: megatron_dapo/reward/accuracy.py).
+The command line: megatron_dapo/evaluate.py; the evaluation loop is the trainer's periodic one
+(megatron_dapo/rollout/held_out.py), and so are the metrics (megatron_dapo/reward/accuracy.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """GPU preflight: every check this machine can run, in one command (python tools/preflight.py --help).
 
-The checks and how they run: megatron_dapo/preflight/ (checks.py, engine_checks.py, run.py).
+The checks and how they run: megatron_dapo/preflight/ (checks.py, kernel_checks.py, train_checks.py,
+engine_checks.py, run.py).
 """
 
 from __future__ import annotations

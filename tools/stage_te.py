@@ -9,7 +9,7 @@ torch. PyPI's torch 2.11.0 for x86-64 Linux is that CUDA 13.0 build and its nvid
 and NCCL headers, so the extension compiles on a CPU-only machine (a login node): no GPU and no nvcc are needed
 (TE reads the CUDA version from nvcc if there is one, else from the nvidia-cuda-runtime wheel).
 
-Here (a machine with internet; any Python with `packaging` runs this script, a Python 3.12 builds):
+On the login node (internet; any Python with `packaging` runs this script, a Python 3.12 builds):
 
     python tools/stage_te.py build      # te_stage/venv (3.12, torch 2.11.0), pip wheel the extension, download
                                         # the rest into te_stage/wheels; log: te_stage/build.log (about 15 min)
@@ -19,13 +19,13 @@ Here (a machine with internet; any Python with `packaging` runs this script, a P
                                              # manifest's consistency if there is one): seconds, no network
     python tools/stage_te.py commands --target DIR   # the shell lines to run there (sha256sum, cat, pip)
 
-There (python3 of the node; standard library only): copy te_stage/pieces, then either run the printed lines or
+On a GPU node (its python3; standard library only): copy te_stage/pieces, then either run the printed lines or
 
     python3 tools/stage_te.py install --pieces te_stage/pieces --target DIR
 
 The runtime requirements are derived, not listed: each staged wheel's Requires-Dist for Python 3.12 on x86-64
-Linux, followed as in tools/stage_gpu_wheels.py (megatron_dapo/preflight/wheels.py), skipping what the GPU image
-already has (GPU_HAS: torch, einops, onnx, onnxscript, packaging...). nvidia-cudnn-frontend, which the vLLM set
+Linux, followed as in tools/stage_gpu_wheels.py (tools/offline_install/wheels.py), skipping what the GPU nodes'
+image already has (GPU_HAS: torch, einops, onnx, onnxscript, packaging...). nvidia-cudnn-frontend, which the vLLM set
 leaves behind, is staged here: the extension requires it.
 """
 
@@ -44,17 +44,18 @@ import zipfile
 from pathlib import Path
 from unittest import mock
 
-# tools/ is not a package: the project comes from this checkout, as in tools/stage_gpu_wheels.py
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# as in tools/stage_gpu_wheels.py: offline_install from beside this script, the project from this checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+from offline_install.pieces import MIB, check_chunk, reassemble, write_pieces  # noqa: E402
 
 from megatron_dapo.cli import argument_parser  # noqa: E402
-from megatron_dapo.preflight.pieces import MIB, check_chunk, reassemble, write_pieces  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGE = REPO / "te_stage"
 TE_VERSION = "2.20.2"
 TORCH = "torch==2.11.0"
-"""PyPI's torch 2.11.0 for x86-64 Linux is the CUDA 13.0 build (+cu130 on the GPU image); its nvidia-* dependencies
+"""PyPI's torch 2.11.0 for x86-64 Linux is the CUDA 13.0 build (+cu130 on the GPU nodes' image); its nvidia-* dependencies
 bring cuda_runtime.h, cublas, cudnn.h, nccl.h, nvrtc.h that the extension includes."""
 BUILD_DEPS = ["setuptools>=61", "wheel", "packaging", "pybind11", "ninja", "nvidia-cudnn-frontend>=1.29.0"]
 BUILD_DEPS += ["nvidia-cuda-crt==13.0.*", "nvidia-cuda-cccl==13.0.*"]
@@ -67,7 +68,7 @@ BUILD_ENV = {
     "NVTE_FRAMEWORK": "pytorch",
 }
 TE_NEEDS = ("nvidia-cudnn-frontend",)
-"""In megatron_dapo/preflight/wheels.py's EXCLUDE (vLLM does not need it), but transformer-engine-torch requires it."""
+"""In tools/offline_install/wheels.py's EXCLUDE (vLLM does not need it), but transformer-engine-torch requires it."""
 PIECE_MIB = 60
 PURE_PLATFORM = "linux_x86_64"  # the tag `pip wheel` gives the extension built here
 
@@ -109,7 +110,7 @@ def find_python312(given: str | None) -> str:
 
 
 def cmd_build(args) -> int:
-    from megatron_dapo.preflight import wheels as wheelmod
+    from offline_install import wheels as wheelmod
 
     t0 = time.perf_counter()
     stage, wheels = args.stage, args.stage / "wheels"
@@ -327,8 +328,8 @@ def cmd_verify(args) -> int:
 
 def pip_dry_run(paths: list[Path], tmp: Path) -> list[str]:
     """pip accepts every wheel for Python 3.12 x86-64 Linux (tags right) when installing with --target."""
-    from megatron_dapo.preflight.staging import pip_target_args
-    from megatron_dapo.preflight.wheels import PLATFORMS
+    from offline_install.staging import pip_target_args
+    from offline_install.wheels import PLATFORMS
 
     platforms = [x for p in [*PLATFORMS, PURE_PLATFORM] for x in ("--platform", p)]
     cross = ["--python-version", "3.12", "--implementation", "cp", *platforms, "--only-binary=:all:", "--dry-run"]
@@ -368,7 +369,7 @@ def cmd_commands(args) -> int:
 
 def cmd_install(args) -> int:
     """There: check every chunk, reassemble, check every wheel, pip install --no-index --no-deps --target."""
-    from megatron_dapo.preflight.staging import check_present, pip_target_args
+    from offline_install.staging import check_present, pip_target_args
 
     manifest = load(args.pieces)
     with tempfile.TemporaryDirectory() as tmp:  # the pieces may sit on a read-only shared file system

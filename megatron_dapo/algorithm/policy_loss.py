@@ -15,7 +15,6 @@ count. All math is float32 whatever the input dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,34 +22,10 @@ import torch
 from megatron_dapo.algorithm.kl import kl_estimate
 from megatron_dapo.choices import LOSS_AGG_MODES
 from megatron_dapo.config import AlgorithmConfig
-
-# The statistics policy_loss returns, as sums over valid tokens (reduce them across
-# micro-batches and ranks by summing, except ratio_max which reduces by max). kl_sum: the
-# reference KL estimate k summed over tokens; kl_loss_sum: the KL term's part of loss_sum.
-STAT_KEYS = (
-    "tokens",
-    "clip_low",
-    "clip_high",
-    "clip_dual",
-    "ratio_sum",
-    "ratio_max",
-    "approx_kl_sum",
-    "kl_sum",
-    "kl_loss_sum",
+from megatron_dapo.loss_result import (  # the result both implementations return (the fused one too)
+    STAT_KEYS,
+    PolicyLoss,
 )
-
-
-@dataclass
-class PolicyLoss:
-    """What one micro-batch contributes to the mini-batch loss."""
-
-    loss_sum: torch.Tensor
-    """[] float32, differentiable. seq-mean-token-mean: the sum over responses of each response's mean
-    token loss; every other mode: the sum of token losses."""
-    normalizer: torch.Tensor
-    """[] float32: this micro-batch's share of what the summed loss_sum is divided by (loss_normalizer)."""
-    stats: dict[str, torch.Tensor]
-    """STAT_KEYS -> [] float32, detached."""
 
 
 def loss_normalizer(

@@ -9,7 +9,6 @@ from typing import Optional, Union
 import torch
 
 import megatron_dapo.kernels.ratio_clip_reduce as rcr
-from megatron_dapo.algorithm.policy_loss import STAT_KEYS, PolicyLoss
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.kernels.ratio_clip_reduce import (
     GPU_BLOCK,
@@ -23,6 +22,7 @@ from megatron_dapo.kernels.ratio_clip_reduce import (
     _kernels,
     interpreter_enabled,
 )
+from megatron_dapo.loss_result import STAT_KEYS, PolicyLoss
 
 __all__ = ["fused_policy_loss"]
 

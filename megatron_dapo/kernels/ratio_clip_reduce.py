@@ -59,7 +59,8 @@ import os
 
 import torch
 
-from megatron_dapo.algorithm.policy_loss import STAT_KEYS
+from megatron_dapo.choices import KL_ESTIMATORS
+from megatron_dapo.loss_result import STAT_KEYS
 
 try:  # triton is optional: without it algorithm.loss_impl='auto' resolves to the reference
     import triton
@@ -85,7 +86,9 @@ SKIP_PADDING_LOADS = True
 INTERPRET_BLOCK = 131072  # the interpreter runs programs serially: few, wide ones are fast
 REDUCE_BLOCK, REDUCE_NUM_WARPS = 1024, 4
 KL_CLAMP, K3_CLAMP = 20.0, 10.0  # algorithm/kl.py's clamps of d and of k3
-KL_ESTIMATOR_IDS = {"k1": 1, "k2": 2, "k3": 3}  # the kernel's KL_EST
+# The kernel's KL_EST per estimator: 0 is no KL term, then KL_ESTIMATORS in order (k1, k2, k3: the kernel's
+# branches test 1, 2, 3; tests/test_kernel.py checks each against algorithm/kl.py).
+KL_ESTIMATOR_IDS = {name: i for i, name in enumerate(KL_ESTIMATORS, start=1)}
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -11,8 +11,9 @@ Torch is imported inside the functions that time something, so a tool that only 
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -75,11 +76,27 @@ def measure_peak_tflops(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
+def cuda_time_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
+    """Median over `iters` runs of fn, each between its own CUDA events, after `warmup` runs."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2**30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second) of dst.copy_(src)."""
     import torch
-
-    from megatron_dapo.kernels.bench import cuda_time_ms
 
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)

@@ -1,7 +1,7 @@
 """The Megatron policy: logprobs of responses and the DAPO train step.
 
 A mini-batch of samples (this data-parallel rank's share) is packed into micro-batches
-under a token budget, then run through Megatron's forward-backward schedule (no pipeline,
+under a token budget (microbatch.py lays them out), then run through Megatron's forward-backward schedule (no pipeline,
 1F1B or interleaved, from the layout). The DAPO loss is token-mean over the *whole*
 mini-batch: the number of valid response tokens across every micro-batch, pipeline stage
 and data-parallel rank is known before the step, so it is all-reduced once and each
@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,200 +29,20 @@ from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.logprobs import token_logprobs
+from megatron_dapo.model.microbatch import (  # TrainSample: what callers build, imported from here too
+    MicroBatch,
+    TrainSample,
+    collate,
+    cp_unslice,
+    pack_microbatches,
+    row_multiple,
+    slice_for_cp,
+)
 from megatron_dapo.model.parallel import Layout
 
 # megatron-core's distributed optimizer clears the .grad of its (non-leaf) fp32 shard views in
 # zero_grad; torch warns on every step about a read that is harmless there
 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-
-
-@dataclass
-class TrainSample:
-    """One prompt + response to score or train on."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    advantage: float = 0.0
-    old_logp: Optional[torch.Tensor] = None
-    """[len(response_ids)] float32: logprobs of the policy that sampled, recomputed by compute_logprobs."""
-    rollout_logp: Optional[torch.Tensor] = None
-    """[len(response_ids)] float32: the rollout engine's sampling logprobs (for truncated IS)."""
-    ref_logp: Optional[torch.Tensor] = None
-    """[len(response_ids)] float32: the reference policy's logprobs (KL as a loss term), from compute_logprobs."""
-    in_loss: bool = True
-    """False masks the whole response out of the loss (overlong filtering)."""
-
-
-@dataclass
-class MicroBatch:
-    """Sequences laid out in rows; per-token tensors sit at the position that predicts the token.
-
-    Padded layout: one row per sequence, right-padded. Packed (THD, Transformer Engine): one
-    row holding every sequence back to back, with cumulative lengths in packed_seq_params.
-    """
-
-    spans: list[tuple[int, int, int, int]]
-    """Per sample: (sample index, row, start, end): positions [start, end) of `row` predict its response."""
-    tokens: torch.Tensor  # [b, L] long
-    position_ids: torch.Tensor  # [b, L] long
-    targets: torch.Tensor  # [b, L] long: the next token within the same sequence
-    response_mask: torch.Tensor  # [b, L] bool: positions predicting a response token
-    loss_mask: torch.Tensor  # [b, L] bool: response_mask and the sample is in the loss
-    advantages: torch.Tensor  # [b, L] float32
-    old_logp: Optional[torch.Tensor] = None  # [b, L] float32
-    rollout_logp: Optional[torch.Tensor] = None  # [b, L] float32
-    ref_logp: Optional[torch.Tensor] = None  # [b, L] float32
-    packed_seq_params: Any = None
-    """megatron.core PackedSeqParams (qkv_format 'thd') for the packed layout, else None."""
-
-
-def pack_microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
-    """Group sequence indices into micro-batches whose size fits max_tokens.
-
-    Size: count x longest (padded layout) or the sum of lengths (packed). First-fit in
-    decreasing length order; a sequence longer than the budget gets a micro-batch of its own.
-    Deterministic. lengths: tokens per sequence (prompt + response).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    used: list[int] = []  # tokens of each batch so far (packed) or its count (padded)
-    for i in order:
-        for b, batch in enumerate(batches):
-            size = used[b] + lengths[i] if packed else (used[b] + 1) * lengths[batch[0]]
-            if size <= max_tokens:
-                batch.append(i)
-                used[b] = used[b] + lengths[i] if packed else used[b] + 1
-                break
-        else:
-            batches.append([i])
-            used.append(lengths[i] if packed else 1)
-    return batches
-
-
-FP8_GEMM_TOKENS = 16
-"""FP8 GEMMs (Transformer Engine) need each rank's token count divisible by this."""
-
-
-def row_multiple(layout, fp8: bool) -> int:
-    """What a micro-batch's row length is rounded up to (each padded row, or the THD pack): tp under sequence
-    parallel (a rank holds length / tp positions), 2 cp under context parallel (two chunks a rank), and under FP8
-    16 tokens for each rank's GEMMs after both splits: the product, since each split divides by its own factor."""
-    multiple = layout.tp if layout.sequence_parallel else 1
-    multiple *= 2 * layout.cp if layout.cp > 1 else 1
-    return multiple * (FP8_GEMM_TOKENS if fp8 else 1)
-
-
-def collate(
-    samples: list[TrainSample], indices: list[int], device: torch.device, multiple: int = 1, packed: bool = False
-) -> MicroBatch:
-    """Lay out samples[indices]; row lengths are rounded up to `multiple` (row_multiple). The padding predicts no
-    response token: it is out of every mask, so it carries no loss, no gradient and no count."""
-    seqs = [samples[i] for i in indices]
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in seqs]
-    if packed:
-        starts = [sum(lengths[:k]) for k in range(len(seqs))]
-        rows, width = [0] * len(seqs), sum(lengths)
-    else:
-        starts, rows, width = [0] * len(seqs), list(range(len(seqs))), max(lengths)
-    width = -(-width // multiple) * multiple
-    b = 1 if packed else len(seqs)
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    targets = torch.zeros(b, width, dtype=torch.long)
-    position_ids = torch.zeros(b, width, dtype=torch.long)
-    response_mask = torch.zeros(b, width, dtype=torch.bool)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
-    advantages = torch.zeros(b, width)
-    old_logp = torch.zeros(b, width) if all(s.old_logp is not None for s in seqs) else None
-    rollout_logp = torch.zeros(b, width) if all(s.rollout_logp is not None for s in seqs) else None
-    ref_logp = torch.zeros(b, width) if seqs and all(s.ref_logp is not None for s in seqs) else None
-    spans = []
-    for k, s in enumerate(seqs):
-        row, st, p, r = rows[k], starts[k], len(s.prompt_ids), len(s.response_ids)
-        ids = torch.tensor(s.prompt_ids + s.response_ids)
-        tokens[row, st : st + p + r] = ids
-        targets[row, st : st + p + r - 1] = ids[1:]
-        position_ids[row, st : st + p + r] = torch.arange(p + r)
-        span = slice(st + p - 1, st + p + r - 1)  # position t predicts token t + 1
-        response_mask[row, span] = True
-        loss_mask[row, span] = s.in_loss
-        advantages[row, span] = s.advantage
-        if old_logp is not None:
-            old_logp[row, span] = s.old_logp.float()
-        if rollout_logp is not None:
-            rollout_logp[row, span] = s.rollout_logp.float()
-        if ref_logp is not None:
-            ref_logp[row, span] = s.ref_logp.float()
-        spans.append((indices[k], row, span.start, span.stop))
-    to = partial(torch.Tensor.to, device=device)
-    return MicroBatch(
-        spans=spans,
-        tokens=to(tokens),
-        position_ids=to(position_ids),
-        targets=to(targets),
-        response_mask=to(response_mask),
-        loss_mask=to(loss_mask),
-        advantages=to(advantages),
-        old_logp=None if old_logp is None else to(old_logp),
-        rollout_logp=None if rollout_logp is None else to(rollout_logp),
-        ref_logp=None if ref_logp is None else to(ref_logp),
-        packed_seq_params=_thd_params(lengths, width, device) if packed else None,
-    )
-
-
-def _thd_params(lengths: list[int], width: int, device: torch.device):
-    """Cumulative sequence lengths for Transformer Engine's THD attention; row padding is one more segment."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    if width > bounds[-1]:
-        bounds.append(width)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-    )
-
-
-def cp_slice(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """Context parallel's load-balanced split of [b, L] (L divisible by 2 cp): chunks rank and 2cp-1-rank.
-
-    Causal attention makes late positions costlier, so each rank takes one early and one late
-    chunk (Megatron-LM's get_batch_on_this_cp_rank). Returns [b, L / cp].
-    """
-    b, length = t.shape[:2]
-    chunks = t.reshape(b, 2 * cp, length // (2 * cp), *t.shape[2:])
-    return chunks[:, [rank, 2 * cp - 1 - rank]].reshape(b, length // cp, *t.shape[2:])
-
-
-def cp_unslice(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of cp_slice: every rank's [b, L / cp] slice (in rank order) -> the full [b, L]."""
-    cp = len(parts)
-    b, local = parts[0].shape[:2]
-    chunk = local // 2
-    out = parts[0].new_empty(b, 2 * cp, chunk, *parts[0].shape[2:])
-    for rank, part in enumerate(parts):
-        halves = part.reshape(b, 2, chunk, *part.shape[2:])
-        out[:, rank], out[:, 2 * cp - 1 - rank] = halves[:, 0], halves[:, 1]
-    return out.reshape(b, 2 * cp * chunk, *parts[0].shape[2:])
-
-
-def _slice_for_cp(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
-    """This context-parallel rank's share of every per-position tensor (spans stay global)."""
-    fields = (
-        "tokens",
-        "position_ids",
-        "targets",
-        "response_mask",
-        "loss_mask",
-        "advantages",
-        "old_logp",
-        "rollout_logp",
-        "ref_logp",
-    )
-    sliced = {f: None if getattr(mb, f) is None else cp_slice(getattr(mb, f), cp, rank) for f in fields}
-    return MicroBatch(spans=mb.spans, packed_seq_params=None, **sliced)
 
 
 class MegatronPolicy:
@@ -315,7 +134,7 @@ class MegatronPolicy:
         multiple = row_multiple(self.layout, fp8=self.cfg.model.fp8 is not None)
         mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
         if self.layout.cp > 1:
-            mbs = [_slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
+            mbs = [slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

@@ -1,7 +1,6 @@
-"""The GPU preflight (tools/preflight.py) and the wheel staging that brings vLLM to the GPU machine
-(tools/stage_gpu_wheels.py).
+"""The GPU preflight (tools/preflight.py): every check a machine can run, each in its own process.
 
-checks.py and engine_checks.py hold the checks, run.py runs each in its own process and reports; wheels.py,
-pieces.py and staging.py resolve, split, check and install the wheels. Nothing is imported here: staging runs
-on the GPU machine's bare python3 (standard library and `packaging`) before anything else is installed.
+checks.py holds the check types, their shared helpers and the environment checks; kernel_checks.py (with
+kernel_bench.py, the fused loss against the reference), train_checks.py and engine_checks.py (vLLM) the families of
+checks; run.py runs each in its own process and reports. Nothing is imported here.
 """

@@ -65,17 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.cli import argument_parser
-from megatron_dapo.preflight.checks import (
-    Check,
-    check_determinism,
-    check_env,
-    check_kernel_equality,
-    check_kernel_timing,
-    check_limits,
-    check_profile,
-    check_te,
-    train_check,
-)
+from megatron_dapo.preflight.checks import Check, check_env, check_limits
 from megatron_dapo.preflight.engine_checks import (
     check_bridge,
     check_bridge_fp8,
@@ -83,6 +73,8 @@ from megatron_dapo.preflight.engine_checks import (
     check_sleep_wake,
     check_train_e2e,
 )
+from megatron_dapo.preflight.kernel_checks import check_kernel_equality, check_kernel_timing
+from megatron_dapo.preflight.train_checks import check_determinism, check_profile, check_te, train_check
 
 MIN_CHECK_S = 30
 """Under --deadline-s, a check with less time than this left is not started (skipped, with the reason)."""

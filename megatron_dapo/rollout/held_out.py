@@ -1,12 +1,15 @@
 """Held-out evaluation on the rollout engines: avg@k and pass@k with the engines' current weights.
 
-Used where the engines live: by the trainer (colocated) and by the rollout controller (pipeline.mode=async), each
-over its own torch.distributed world (or one process). Each engine samples a contiguous share of the problems, every
-rank gets every response, the world's ranks score a share each (ShardedScorer) and every rank gets the same numbers.
+The one evaluation loop (HeldOutEval.batches): used by the trainer (colocated) and by the rollout controller
+(pipeline.mode=async), each over its own torch.distributed world, and by tools/eval.py (megatron_dapo/evaluate.py:
+one process, one engine, batch by batch, writing each problem's record). Each engine samples a contiguous share of
+the problems, every rank gets every response, the world's ranks score a share each (ShardedScorer) and every rank
+gets the same numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -67,11 +70,31 @@ class HeldOutEval:
         calls it and gets the same numbers."""
         if not prompts:
             raise ValueError("evaluate: no prompts (is data.val_files empty?)")
-        # seed: the same samples for the same weights, so curves compare step to step
-        outputs = self._generate(prompts, k, self.seed, temperature, top_p, max_tokens)
-        scored = score_samples(self.scorer, prompts, outputs)
-        correct = [scored.acc[i * k : (i + 1) * k] for i in range(len(prompts))]
+        correct = []
+        for batch, _, scored in self.batches(prompts, k, temperature, top_p, max_tokens):
+            correct += [scored.acc[i * k : (i + 1) * k] for i in range(len(batch))]
         return {f"eval/{name}": value for name, value in accuracy_at_k(correct).items()}
+
+    def batches(
+        self,
+        prompts: list[Prompt],
+        k: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        batch_size: int | None = None,
+    ) -> Iterator[tuple[list[Prompt], list[list[Response]], RewardBatch]]:
+        """(prompts, their P lists of k Responses, the RewardBatch of the P*k texts problem-major) per batch_size
+        prompts (default: all in one), in order. Collective: every rank iterates and gets the same batches.
+
+        Sample j of problem i is seeded seed + i*k + j (i its place in prompts): the same samples for the same
+        weights whatever the batching or the number of engines, so curves compare step to step.
+        """
+        size = batch_size or max(len(prompts), 1)
+        for start in range(0, len(prompts), size):
+            batch = prompts[start : start + size]
+            groups = self._generate(batch, k, self.seed + start * k, temperature, top_p, max_tokens)
+            yield batch, groups, score_samples(self.scorer, batch, groups)
 
     def _generate(
         self, prompts: list[Prompt], n: int, seed: int, temperature: float, top_p: float, max_tokens: int

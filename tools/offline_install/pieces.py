@@ -2,7 +2,7 @@
 
 A file larger than a piece travels as byte ranges; gpu_stage/manifest.json records every file's size and sha256
 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after
-reassembly. Standard library only (it runs on the GPU image before anything is installed).
+reassembly. Standard library only (it runs on a GPU node before anything is installed there).
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ def write_pieces(src: Path, out: Path, files: list[Path], piece_bytes: int, meta
 def load_manifest(stage: Path) -> dict:
     path = stage / "manifest.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: run `python tools/stage_gpu_wheels.py stage` here (and carry it)")
+        raise SystemExit(
+            f"{path} is missing: run `python tools/stage_gpu_wheels.py stage` on the login node and copy it"
+        )
     return json.loads(path.read_text())
 
 

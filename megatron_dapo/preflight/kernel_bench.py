@@ -1,7 +1,7 @@
 """The fused DAPO policy loss against the PyTorch reference: equality at a small size, and its timing and traffic.
 
-What tools/bench_kernel.py and tools/preflight.py run. Per size N (rounded down to whole responses of seq_len
-tokens, with ragged padding): forward and forward+backward time (CUDA events, warm-up, median), bytes moved
+What tools/bench_kernel.py and tools/preflight.py run; it lives above algorithm/ and kernels/, since it compares
+the two. Per size N (rounded down to whole responses of seq_len tokens, with ragged padding): forward and forward+backward time (CUDA events, warm-up, median), bytes moved
 against the floor (one read of each input + one write of the gradient), GB/s, and the fraction of the
 device-to-device copy bandwidth (megatron_dapo.model.perf.copy_bandwidth_gbs) measured in the same run.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+
+from megatron_dapo.model.perf import cuda_time_ms
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 SECTOR = 32  # bytes: the DRAM access granularity the traffic model counts in
@@ -108,25 +109,6 @@ def equality_check(
                     f"vs {lp_ref.grad.flatten()[i].item()!r}; stats {[(k, out.stats[k].item(), ref.stats[k].item()) for k in STAT_KEYS]}"
                 )
     return ok
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def cuda_time_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
-    """Median over `iters` runs of fn, each between its own CUDA events, after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- traffic model and timing per size

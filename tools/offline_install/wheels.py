@@ -1,9 +1,11 @@
-"""What travels to the GPU machine: vLLM and this package's requirements, resolved for its Python and platform.
+"""What travels to GPU nodes without internet: vLLM and this package's requirements, resolved for their Python and
+platform.
 
 The roots (vllm==0.25.0 and setup.py's install_requires) and, recursively, every Requires-Dist of each downloaded
-wheel's METADATA for Python 3.12 on x86-64 Linux, except the packages in GPU_HAS (already on the GPU image) and in
-EXCLUDE (deliberately left behind, each with its reason). Both lists are plain constants, meant to be edited.
-Standard library and `packaging` only: tools/stage_gpu_wheels.py runs on the GPU image before anything is installed.
+wheel's METADATA for Python 3.12 on x86-64 Linux, except the packages in GPU_HAS (already on the GPU nodes' image)
+and in EXCLUDE (deliberately left behind, each with its reason). Both lists are plain constants, meant to be edited
+for another image. Standard library and `packaging` only: tools/stage_gpu_wheels.py runs on a GPU node before
+anything is installed.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from megatron_dapo.preflight.pieces import MIB
+from .pieces import MIB
 
 REPO = Path(__file__).resolve().parents[2]
-"""The checkout (tools/stage_gpu_wheels.py imports this package from it): setup.py, gpu_stage/, .gpu_site/."""
+"""The checkout (tools/offline_install/ is two levels down): setup.py, gpu_stage/, .gpu_site/."""
 
 VLLM = "vllm==0.25.0"
 TARGET_PYTHON = "3.12"
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
-"""Every manylinux tag the GPU image (Ubuntu 24.04, glibc 2.39) can load: pip matches each listed tag exactly."""
+"""Every manylinux tag the GPU nodes' image (Ubuntu 24.04, glibc 2.39) can load: pip matches each listed tag
+exactly."""
 TARGET_ENV = {
     "python_version": TARGET_PYTHON,
     "python_full_version": TARGET_PYTHON + ".3",
@@ -35,10 +38,11 @@ TARGET_ENV = {
     "sys_platform": "linux",
     "os_name": "posix",
 }
-"""Marker environment of the GPU machine's python3, for Requires-Dist markers."""
+"""Marker environment of the GPU nodes' python3, for Requires-Dist markers."""
 
 GPU_HAS = frozenset(
-    # the GPU image's Python packages, as listed in the device notes' KINDS.md (read 2026-11-17): never staged
+    # the Python packages of the GPU nodes' image this was written for (a CUDA 13 image with torch 2.11.0 and a
+    # scientific stack): never staged. Edit it to what `pip list` prints on your GPU nodes
     """
     absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
     charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
@@ -133,7 +137,7 @@ def setup_requires() -> list[str]:
 
 
 class Resolver:
-    """Follows Requires-Dist from the roots, downloading one wheel per project for the GPU machine."""
+    """Follows Requires-Dist from the roots, downloading one wheel per project for the GPU nodes."""
 
     def __init__(self, wheels: Path, pip: list[str]) -> None:
         from packaging.specifiers import SpecifierSet
@@ -181,7 +185,7 @@ class Resolver:
             queue = [(r, n) for n in wanted for r in self._requirements(n)]
 
     def _requirements(self, name: str):
-        """Requirements of a staged project for the GPU machine, with the extras asked of it."""
+        """Requirements of a staged project on the GPU nodes, with the extras asked of it."""
         from packaging.requirements import Requirement
 
         out = []
@@ -233,14 +237,14 @@ class Resolver:
             print(f"  {cached.name} ({cached.stat().st_size / MIB:.1f} MiB)", flush=True)
 
     def _build_pure(self, arg: str, out: Path) -> None:
-        """No wheel for the target: build one here from the sdist; only a pure-Python result may travel."""
+        """No wheel for the target: build one on the login node from the sdist; only a pure-Python result may travel."""
         proc = subprocess.run(
             [*self.pip, "wheel", "--no-deps", "-q", "-w", str(out), arg], capture_output=True, text=True
         )
         built = [p for p in out.glob("*.whl") if wheel_project(p.name)[0] == normalize(re.split(r"[<>=!~\[ ]", arg)[0])]
         if proc.returncode != 0 or not built:
             raise RuntimeError(
-                f"{arg}: no wheel for the GPU machine and none could be built here:\n{proc.stderr[-2000:]}"
+                f"{arg}: no wheel for the GPU nodes and none could be built here:\n{proc.stderr[-2000:]}"
             )
         if not built[0].name.endswith("-none-any.whl"):
             raise RuntimeError(f"{arg}: built {built[0].name} here, which is not pure Python: it cannot travel")

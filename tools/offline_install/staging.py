@@ -1,33 +1,36 @@
-"""Bring vLLM 0.25.0, megatron-core and what they need to the GPU machine, in pieces of at most 60 MiB.
+"""Install vLLM 0.25.0, megatron-core and what they need onto GPU nodes with no internet, in pieces of at most 60 MiB.
 
-The GPU machine (ENVIRONMENT.md, "When a GPU is at hand") has Python 3.12, torch 2.11.0 built for CUDA 13, triton
-3.6 and transformers, and no network. vLLM 0.25.0 pins exactly that torch, so it can run there if its wheels travel:
-one `run` call carries at most 64 MiB with the working tree, and the machine keeps ignored files between calls
-while it stays warm (about 30 s after each), so consecutive calls assemble the set piece by piece.
+The usual cluster: a login node with internet, GPU nodes without. The GPU nodes' image is expected to hold Python
+3.12, torch 2.11.0 built for CUDA 13, triton and transformers (wheels.GPU_HAS lists what is never downloaded).
+vLLM 0.25.0 pins exactly that torch, so the rest can be downloaded on the login node and installed on a GPU node
+with pip --no-index. The set is cut into pieces, each checked on arrival, so that it can cross a link that moves
+a limited size at a time (and a broken copy is found piece by piece, not after a 2 GB transfer).
 
-Here (any Python; downloads from PyPI):
+On the login node (any Python; downloads from PyPI):
 
     python tools/stage_gpu_wheels.py stage       # resolve, download, split into gpu_stage/part_NN, write the manifest
     python tools/stage_gpu_wheels.py verify      # reassemble in a temporary folder: sizes, sha256, zip test, pip dry run
-    python tools/stage_gpu_wheels.py commands    # the device `run` calls: one per piece, the last one installs
+    python tools/stage_gpu_wheels.py commands    # what to run on a GPU node, per piece (JSON lines): the command and
+                                                 # the files it needs there; the last piece's installs
 
-There (python3 of the GPU image; only the standard library and `packaging`):
+On a GPU node (its python3; only the standard library and `packaging`), with the checkout and the pieces copied:
 
     python3 tools/stage_gpu_wheels.py receive gpu_stage/part_03   # check a piece against the manifest and keep it
     python3 tools/stage_gpu_wheels.py install --target .gpu_site  # reassemble, check, pip install --no-index --no-deps
 
 What travels is derived, not listed by hand: the roots (vllm==0.25.0 and this package's install_requires, read from
 setup.py) and, recursively, every Requires-Dist of each downloaded wheel's METADATA for Python 3.12 on x86-64
-Linux, except the packages in GPU_HAS (already on the GPU image) and in EXCLUDE (deliberately left behind, each
-with its reason). Both lists are plain constants below, meant to be edited. Version requirements on GPU_HAS
-packages cannot be checked here; `install` checks them there and prints any mismatch. A project with no wheel for
-the target is built here with `pip wheel` if it is pure Python (antlr4-python3-runtime 4.9.3 ships only an sdist).
+Linux, except the packages in GPU_HAS (already on the GPU nodes' image) and in EXCLUDE (deliberately left behind,
+each with its reason). Both lists are plain constants in wheels.py, meant to be edited for another image. Version
+requirements on GPU_HAS packages cannot be checked on the login node; `install` checks them on the GPU node and
+prints any mismatch. A project with no wheel for the target is built on the login node with `pip wheel` if it is pure Python (antlr4-python3-runtime
+4.9.3 ships only an sdist).
 
-Pieces: files are packed first-fit by decreasing size into folders of at most --piece-mib; a file larger than
-that (the vLLM wheel, 250 MB) is cut into byte ranges. gpu_stage/manifest.json records every file's size and
-sha256 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after
-reassembly. Transformer Engine is not staged (docs/slurm.md, "GPU preflight": its core library alone is 276 MB and its
-PyTorch extension must be compiled there).
+Pieces (pieces.py): files are packed first-fit by decreasing size into folders of at most --piece-mib; a file
+larger than that (the vLLM wheel, 250 MB) is cut into byte ranges. gpu_stage/manifest.json records every file's
+size and sha256 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file
+after reassembly. Transformer Engine has its own tool, tools/stage_te.py: its PyTorch extension is compiled on the
+login node.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import zipfile
 from pathlib import Path
 
 from megatron_dapo.cli import argument_parser
-from megatron_dapo.preflight.pieces import (
+
+from .pieces import (
     MIB,
     check_chunk,
     load_manifest,
@@ -50,16 +54,17 @@ from megatron_dapo.preflight.pieces import (
     reassemble,
     write_pieces,
 )
-from megatron_dapo.preflight.wheels import EXCLUDE, PLATFORMS, REPO, TARGET_PYTHON, VLLM, Resolver, setup_requires
+from .wheels import EXCLUDE, PLATFORMS, REPO, TARGET_PYTHON, VLLM, Resolver, setup_requires
 
 STAGE = REPO / "gpu_stage"
 PIECE_MIB = 60
-CARRY_LIMIT = 64 * MIB
-"""What one device call may carry: working tree + carried paths (device README, Limits)."""
+TRANSFER_LIMIT = 64 * MIB
+"""What `stage` checks one transfer against: a piece with the checkout (its tracked and untracked files) beside it,
+as the commands that `commands` prints copy them. Set it to your link's limit."""
 
 
 def working_tree_bytes() -> int:
-    """Bytes of what every device call sends besides its carry: tracked and untracked-not-ignored files."""
+    """Bytes of the checkout a GPU node needs besides the pieces: tracked and untracked-not-ignored files."""
     proc = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
     )
@@ -100,12 +105,15 @@ def cmd_stage(args) -> int:
     for piece, info in manifest["pieces"].items():
         print(f"  {piece}: {info['bytes'] / MIB:5.1f} MiB, {info['chunks']} files or byte ranges")
     print(f"left behind (EXCLUDE): {', '.join(manifest['excluded'])}")
-    print(f"expected on the GPU image (GPU_HAS), checked by `install` there: {', '.join(manifest['present'])}")
+    print(f"expected on the GPU nodes (GPU_HAS), checked by `install` there: {', '.join(manifest['present'])}")
     biggest = max(info["bytes"] for info in manifest["pieces"].values())
-    if biggest + tree > CARRY_LIMIT:
-        print(f"WARNING: a piece ({biggest / MIB:.1f} MiB) + the working tree ({tree / MIB:.1f} MiB) exceed 64 MiB")
+    limit = TRANSFER_LIMIT / MIB
+    if biggest + tree > TRANSFER_LIMIT:
+        print(
+            f"WARNING: a piece ({biggest / MIB:.1f} MiB) + the checkout ({tree / MIB:.1f} MiB) exceed {limit:.0f} MiB"
+        )
         return 1
-    print(f"largest call: {biggest / MIB:.1f} MiB piece + {tree / MIB:.1f} MiB working tree <= 64 MiB")
+    print(f"largest transfer: {biggest / MIB:.1f} MiB piece + {tree / MIB:.1f} MiB checkout <= {limit:.0f} MiB")
     return 0
 
 
@@ -165,14 +173,13 @@ def cmd_verify(args) -> int:
     return 1 if problems else 0
 
 
-# ----------------------------------------------------------------------------- the device calls
+# ----------------------------------------------------------------------------- what to run on a GPU node
 
 
-def preflight_calls() -> list[str]:
-    """The preflight in two calls, each inside the device's 10-minute limit (--deadline-s stops a check still
-    running). The first call also installs, then runs the checks no CPU can stand in for (the trainer end to end,
-    both modes, and the vLLM checks) and after them the short core checks; the second the timing rows, which a
-    session short of device time can leave for the next."""
+def preflight_commands() -> list[str]:
+    """The preflight in two commands of at most 10 minutes each (--deadline-s skips a check that would not finish,
+    so each fits a short job). The first runs the checks no CPU can stand in for (the trainer end to end, both
+    modes, and the vLLM checks), then the short core checks; the second the timing rows, which can wait."""
     run = "PYTHONPATH=$PWD/.gpu_site PYTHONUNBUFFERED=1 python3 tools/preflight.py"
     return [
         f"{run} --deadline-s 420 --only env,train_e2e,inflight_update,sleep_wake,bridge,bridge_fp8 "
@@ -182,29 +189,30 @@ def preflight_calls() -> list[str]:
     ]
 
 
-def device_calls(manifest: dict, rel: str) -> list[dict]:
-    """The device `run` calls, in order: one per piece (rel: the staging folder, relative to the repository),
-    the last piece's call also installing and running the first half of the preflight, then the second half."""
+def node_commands(manifest: dict, rel: str) -> list[dict]:
+    """What to run on a GPU node, in order, as {"command", "carry": the files it needs there beside the checkout,
+    "timeout_s"}: one per piece (rel: the staging folder, relative to the checkout), the last piece's also installing
+    and running the first preflight command ($OUT: a folder for its JSON), then the second preflight command."""
     pieces = list(manifest["pieces"])
     calls = []
     for i, piece in enumerate(pieces):
         command = f"python3 tools/stage_gpu_wheels.py receive {rel}/{piece}"
         if i == len(pieces) - 1:
-            command += f" && python3 tools/stage_gpu_wheels.py install --target .gpu_site && {preflight_calls()[0]}"
+            command += f" && python3 tools/stage_gpu_wheels.py install --target .gpu_site && {preflight_commands()[0]}"
         calls.append({"command": command, "carry": [f"{rel}/{piece}", f"{rel}/manifest.json"], "timeout_s": 600})
-    calls.append({"command": preflight_calls()[1], "timeout_s": 600})
+    calls.append({"command": preflight_commands()[1], "timeout_s": 600})
     return calls
 
 
 def cmd_commands(args) -> int:
     if not args.out.is_relative_to(REPO):
-        raise SystemExit(f"{args.out} is outside the repository: a carried path must be inside it")
-    for call in device_calls(load_manifest(args.out), str(args.out.relative_to(REPO))):
+        raise SystemExit(f"{args.out} is outside the checkout: the commands name the pieces relative to it")
+    for call in node_commands(load_manifest(args.out), str(args.out.relative_to(REPO))):
         print(json.dumps(call))
     return 0
 
 
-# ----------------------------------------------------------------------------- there: receive and install
+# ----------------------------------------------------------------------------- on a GPU node: receive and install
 
 
 def cmd_receive(args) -> int:
@@ -234,7 +242,7 @@ def cmd_receive(args) -> int:
 
 
 def check_present(manifest: dict) -> list[str]:
-    """Requirements on the packages expected on this machine that its installed versions do not meet."""
+    """Requirements on the packages expected on this GPU node (GPU_HAS) that its installed versions do not meet."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -283,13 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argument_parser(__doc__)
     ap.add_argument("--out", type=Path, default=STAGE, help="the staging folder (ignored by git)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    stage = sub.add_parser("stage", help="here: resolve, download, split, write the manifest")
+    stage = sub.add_parser("stage", help="login node: resolve, download, split, write the manifest")
     stage.add_argument("--piece-mib", type=int, default=PIECE_MIB, help="largest piece, MiB")
-    sub.add_parser("verify", help="here: reassemble and check everything, pip dry run")
-    sub.add_parser("commands", help="here: print the device run calls (JSON, one per line)")
-    receive = sub.add_parser("receive", help="there: check a piece and keep it")
+    sub.add_parser("verify", help="login node: reassemble and check everything, pip dry run")
+    sub.add_parser("commands", help="login node: print what to run on a GPU node (JSON, one per line)")
+    receive = sub.add_parser("receive", help="GPU node: check a piece and keep it")
     receive.add_argument("piece", type=Path)
-    install = sub.add_parser("install", help="there: reassemble, check, install with pip --target")
+    install = sub.add_parser("install", help="GPU node: reassemble, check, install with pip --target")
     install.add_argument("--target", type=Path, default=REPO / ".gpu_site")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
