@@ -325,6 +325,23 @@ def test_qwen3_arch_reads_head_dim_norms_and_bias_from_the_config():
     assert not ModelArch.from_hf_config(json.loads(tiny_hf_model("qwen2").config.to_json_string())).qk_layernorm
 
 
+def test_the_tiny_qwen3_holds_what_a_qwen3_port_gets_wrong(tiny_qwen3):
+    """model/tiny.py's Qwen3: head_dim (64) is not hidden/heads (32), no QKV bias, and every layer's q_norm and k_norm
+    are neither ones (transformers' init) nor equal, so a dropped, swapped or derived piece changes its outputs."""
+    from safetensors.torch import load_file
+
+    arch = ModelArch.from_hf_dir(tiny_qwen3())
+    shape = (arch.family, arch.num_layers, arch.head_dim, arch.hidden_size // arch.num_attention_heads)
+    assert shape == ("qwen3", 2, 64, 32)
+    assert arch.qk_layernorm and not arch.qkv_bias
+    weights = load_file(tiny_qwen3() / "model.safetensors")
+    assert not any(name.endswith("_proj.bias") for name in weights)
+    for i in range(arch.num_layers):
+        q, k = (weights[f"model.layers.{i}.self_attn.{n}_norm.weight"] for n in "qk")
+        assert q.shape == k.shape == (64,)
+        assert not torch.equal(q, k) and not torch.equal(q, torch.ones(64)) and not torch.equal(k, torch.ones(64))
+
+
 @pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True), ("qwen3", False)])
 def test_layout_maps_round_trip_exactly(family, tied):
     model = tiny_hf_model(family, seed=7, vocab_size=VOCAB, tied=tied)
