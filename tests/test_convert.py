@@ -302,6 +302,15 @@ def test_unsupported_architecture(tmp_path, run_main):
     assert "GPT2LMHeadModel" in err and "architectures" in err and "config.json" in err
 
 
+def test_a_sliding_window_qwen3_is_refused_naming_the_field(hf_models, tmp_path, run_main):
+    src = _copy_without(hf_models["qwen3"][0], tmp_path / "sliding")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 16}))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(src), "--out", str(tmp_path / "out"))
+    assert "config.json: field 'use_sliding_window'=true is not supported" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_tensor_shape_mismatch_and_missing_tensor(hf_models, tmp_path, run_main):
     from safetensors.torch import save_file
 
