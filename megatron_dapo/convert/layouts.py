@@ -4,9 +4,9 @@ Written once, used by the model loader, the weight bridge and the conversion too
 
 `linear_qkv` fuses q, k and v grouped per query group: for each of the num_key_value_heads groups, its
 heads_per_group query heads, then its k head, then its v head (so a tensor-parallel split is a plain chunk
-of whole groups); `linear_fc1` is cat(gate, up) on dim 0. Qwen3's per-head norms map 1:1 (q_norm ->
-`self_attention.q_layernorm`, k_norm -> `self_attention.k_layernorm`, each [head_dim], replicated over TP). How Megatron splits each tensor across TP ranks,
-and the Transformer Engine spec's names, are model/sharding.py's.
+of whole groups); `linear_fc1` is cat(gate, up) on dim 0. Qwen3's per-head norms map one to one (q_norm ->
+`self_attention.q_layernorm`, k_norm -> `self_attention.k_layernorm`, each [head_dim], replicated over TP). How
+Megatron splits each tensor across TP ranks, and the Transformer Engine spec's names, are model/sharding.py's.
 
 Names here are "full" Megatron names with global layer numbers; model/ maps them to a
 pipeline stage's local numbering.

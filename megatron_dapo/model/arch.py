@@ -51,7 +51,9 @@ class ModelArch:
         """From the dict of a Hugging Face config.json (or `PretrainedConfig.to_dict()`)."""
         archs = config.get("architectures") or []
         family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
-        if not archs:  # model_type only where the architectures are not named: Qwen3Moe's model_type is no family
+        # model_type only where no architecture is named: one we cannot map (Qwen3MoeForCausalLM) is refused
+        # whatever its model_type says
+        if not archs:
             family = {f: f for f in SUPPORTED.values()}.get(config.get("model_type", ""))
         if family is None:
             raise ArchError(
@@ -85,7 +87,7 @@ class ModelArch:
                 f"{source}: field 'rope_scaling' type {rope_scaling.get('rope_type')!r} is not supported; "
                 "expected plain RoPE"
             )
-        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))  # Qwen2 has no such field
+        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))  # Qwen2: always, no field
         if family == "llama" and config.get("mlp_bias"):
             raise ArchError(f"{source}: field 'mlp_bias'=true is not supported; expected false")
         return ModelArch(
