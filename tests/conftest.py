@@ -201,23 +201,36 @@ def _built_once(tmp_path_factory, name: str, build) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory):
-    """tiny_qwen2(seed=0, copy_to=None) -> the directory of megatron_dapo.model.tiny's Qwen2 with that seed.
-
-    Built once per test run (_built_once); read it only, or pass copy_to for a copy of one's own to change.
-    """
+def _tiny_model(tmp_path_factory, family: str):
+    """get(seed=0, copy_to=None) -> the directory of megatron_dapo.model.tiny's build_tiny_{family} with that seed."""
 
     def get(seed: int = 0, copy_to: Path | None = None) -> Path:
-        from megatron_dapo.model.tiny import build_tiny_qwen2
+        from megatron_dapo.model import tiny
 
-        out = _built_once(tmp_path_factory, f"qwen2_seed{seed}", lambda d: build_tiny_qwen2(d, seed=seed))
+        build = getattr(tiny, f"build_tiny_{family}")
+        out = _built_once(tmp_path_factory, f"{family}_seed{seed}", lambda d: build(d, seed=seed))
         if copy_to is None:
             return out
         shutil.copytree(out, copy_to)
         return Path(copy_to)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """tiny_qwen2(seed=0, copy_to=None) -> the directory of megatron_dapo.model.tiny's Qwen2 with that seed.
+
+    Built once per test run (_built_once); read it only, or pass copy_to for a copy of one's own to change.
+    """
+    return _tiny_model(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """tiny_qwen3(seed=0, copy_to=None): tiny_qwen2's Qwen3 (head_dim 64, not hidden/heads; q_norm and k_norm
+    random and different from each other)."""
+    return _tiny_model(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="session")

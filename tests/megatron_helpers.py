@@ -20,8 +20,16 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 def tiny_hf_model(
     family: str, seed: int = 0, vocab_size: int = 250, layers: int = 2, tied: bool = False, rms_norm_eps: float = 1e-6
 ):
-    """A randomly initialised tiny Qwen2 or Llama (4 heads, 2 KV groups) from transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialised tiny Qwen2, Qwen3 or Llama (4 heads, 2 KV groups) from transformers. Qwen3's head_dim
+    is 32, twice hidden/heads: a port that derives it gets every attention shape wrong."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -38,9 +46,13 @@ def tiny_hf_model(
         torch.manual_seed(seed)
         if family == "qwen2":
             model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
+        elif family == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1e6, head_dim=32, **common))
         else:
             model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
-        with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: perturb so both matter
+        # transformers initialises norms to 1 and biases to 0: perturb so both matter (and Qwen3's q_norm and k_norm
+        # differ, so a swap of the two shows)
+        with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
                     p.add_(torch.randn_like(p) * 0.1)

@@ -5,7 +5,8 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 
 - logprobs: response logprobs and entropy at --temperature;
 - train: old logprobs (offset by the batch's fixed noise, so clipping happens), one
-  train step, then this stage's TP-gathered gradients and updated weights and the metrics;
+  train step, then this stage's TP-gathered gradients and updated weights and the metrics, and which of its
+  TP-replicated tensors (norms; Qwen3's q/k norms) differ between the TP ranks after the step;
   with algorithm.tis_cap set, rollout logprobs too: old logprobs + the batch's rollout_offset;
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
@@ -176,6 +177,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         result["metrics"] = policy.train_step(samples, args.temperature)
         result["grads"] = tp_gathered_tensors(policy.model, arch, layout, grads=True)
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)
+        result["replicas"], result["replicas_differ"] = tp_replicas_differ(policy, arch)
         result["logprobs"] = first
     else:
         current = first
@@ -189,6 +191,30 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
     finish(policy, last)
+
+
+def tp_replicas_differ(policy, arch) -> tuple[list[str], list[str]]:
+    """(this stage's TP-replicated tensors, those whose copies differ between the TP ranks): each rank's copy
+    all-gathered over the TP group and compared bit for bit. A replicated weight whose gradient Megatron does not
+    reduce over TP (Qwen3's q/k norms without TransformerConfig.qk_layernorm) steps apart on each rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_dapo.model.provider import local_slots
+    from megatron_dapo.model.sharding import tp_split_dim
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    names, differ = [], []
+    for slot in local_slots(policy.model, arch):
+        if tp_split_dim(slot.full_name) is not None:
+            continue
+        mine = slot.param.detach().contiguous()
+        copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, mine, group=group)
+        names.append(slot.full_name)
+        if not all(torch.equal(c, copies[0]) for c in copies):
+            differ.append(slot.full_name)
+    return names, differ
 
 
 def attention_check(config) -> dict:

@@ -4,7 +4,8 @@ The conversions run through the tools' real command line in subprocesses (Megatr
 process); their refusals, which come before any model is built, run the tools' main() in the test's process. Tiny models, each converted once (the converter's processes are most of this file's time):
 Qwen2 with untied embeddings and QKV bias in one safetensors file at TP=2 (the bias and the vocabulary
 sharded), vocabulary 300 so that its padding differs between TP=1 (384) and TP=2 (512) and the TP=2 ->
-TP=1 load must reshard the vocabulary too; Llama with tied embeddings in sharded safetensors at TP=1. A
+TP=1 load must reshard the vocabulary too; Llama with tied embeddings in sharded safetensors at TP=1; Qwen3 (per-head
+q/k norms, head_dim not hidden/heads, no QKV bias) at TP=2 and at PP=2, its norms replicated or split by layer. A
 training checkpoint is written by the trainer's own CheckpointManager after one train step at TP=2 (in a
 torchrun worker).
 """
@@ -27,13 +28,14 @@ from megatron_dapo.convert.safetensors_io import SafetensorsReader, ShardWriter
 FAMILIES = {
     "qwen2": dict(seed=0, vocab_size=300, tied=False, shard=None),
     "llama": dict(seed=1, vocab_size=250, tied=True, shard="100KB"),
+    "qwen3": dict(seed=2, vocab_size=300, tied=False, shard=None),
 }
-CASES = [("qwen2", 2), ("llama", 1)]
+CASES = [("qwen2", 2, 1), ("llama", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2)]  # (family, tp, pp)
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 64}'}
 
 
-def _case_id(case: tuple[str, int]) -> str:
-    return f"{case[0]}-tp{case[1]}"
+def _case_id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-tp{case[1]}" + (f"-pp{case[2]}" if case[2] > 1 else "")
 
 
 @pytest.fixture(scope="module")
@@ -56,29 +58,30 @@ def hf_models(workdir) -> dict[str, tuple[Path, torch.nn.Module]]:
 
 
 @pytest.fixture(scope="module")
-def megatron_ckpts(hf_models, workdir) -> dict[tuple[str, int], tuple[Path, str]]:
-    """(family, tp) -> (converted Megatron checkpoint directory, the tool's stdout)."""
+def megatron_ckpts(hf_models, workdir) -> dict[tuple[str, int, int], tuple[Path, str]]:
+    """(family, tp, pp) -> (converted Megatron checkpoint directory, the tool's stdout)."""
     paths, runs = {}, []
-    for family, tp in CASES:
-        path = paths[(family, tp)] = workdir / f"mcore_{family}_tp{tp}"
+    for family, tp, pp in CASES:
+        path = paths[(family, tp, pp)] = workdir / f"mcore_{_case_id((family, tp, pp))}"
         force = []
-        if (family, tp) == ("llama", 1):  # --force replaces an existing directory's contents
+        if (family, tp, pp) == ("llama", 1, 1):  # --force replaces an existing directory's contents
             path.mkdir()
             (path / "stale.txt").write_text("old")
             force = ["--force"]
-        args = ["--hf", str(hf_models[family][0]), "--out", str(path), "--tp", str(tp), "--dtype", "fp32", *force]
+        args = ["--hf", str(hf_models[family][0]), "--out", str(path), "--dtype", "fp32", *force]
+        args += ["--tp", str(tp), "--pp", str(pp)]
         runs.append(("convert_hf_to_megatron", args))
     stdouts = run_all_ok(runs)
     return {case: (paths[case], out) for case, out in zip(CASES, stdouts)}
 
 
 @pytest.fixture(scope="module")
-def hf_back(megatron_ckpts, workdir) -> dict[tuple[str, int], Path]:
-    """(family, tp) -> Hugging Face directory converted back from the Megatron checkpoint (at TP=1)."""
+def hf_back(megatron_ckpts, workdir) -> dict[tuple[str, int, int], Path]:
+    """(family, tp, pp) -> Hugging Face directory converted back from the Megatron checkpoint (at TP=1, PP=1)."""
     paths, runs = {}, []
     for case, (ckpt, _) in megatron_ckpts.items():
-        path = paths[case] = workdir / f"back_{case[0]}_tp{case[1]}"
-        shard = ["--max-shard-size", "100KB"] if case == ("qwen2", 2) else []
+        path = paths[case] = workdir / f"back_{_case_id(case)}"
+        shard = ["--max-shard-size", "100KB"] if case == ("qwen2", 2, 1) else []
         runs.append(("convert_megatron_to_hf", ["--megatron", str(ckpt), "--out", str(path), *shard]))
     run_all_ok(runs)
     return paths
@@ -107,7 +110,7 @@ def test_round_trip_is_bit_exact(case, hf_models, hf_back):
 
 @pytest.mark.slow
 def test_sharded_output_has_an_index(hf_back):
-    sharded, single = hf_back[("qwen2", 2)], hf_back[("llama", 1)]
+    sharded, single = hf_back[("qwen2", 2, 1)], hf_back[("llama", 1, 1)]
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((sharded / f).is_file() for f in files)
@@ -132,15 +135,16 @@ def test_transformers_loads_the_result(case, hf_models, hf_back):
 def test_megatron_logits_match_transformers(hf_models, megatron_ckpts, workdir):
     tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
     logits = megatron_logits([path for path, _ in megatron_ckpts.values()], tokens, workdir / "logits.pt")
-    for (family, tp), (path, _) in megatron_ckpts.items():
+    for (family, tp, pp), (path, _) in megatron_ckpts.items():
         with torch.no_grad():
             expected = hf_models[family][1](tokens).logits
-        torch.testing.assert_close(logits[str(path)], expected, atol=1e-5, rtol=0, msg=f"{family} saved at tp={tp}")
+        msg = f"{family} saved at tp={tp} pp={pp}"
+        torch.testing.assert_close(logits[str(path)], expected, atol=1e-5, rtol=0, msg=msg)
 
 
 @pytest.mark.slow
 def test_checkpoint_directory(hf_models, megatron_ckpts):
-    path, stdout = megatron_ckpts[("qwen2", 2)]
+    path, stdout = megatron_ckpts[("qwen2", 2, 1)]
     meta = json.loads((path / "megatron_dapo.json").read_text())
     assert (meta["family"], meta["tp"], meta["pp"], meta["dtype"]) == ("qwen2", 2, 1, "fp32")
     assert meta["source"] == str(hf_models["qwen2"][0].absolute()) and meta["format_version"] == 1
@@ -158,7 +162,7 @@ def test_checkpoint_directory(hf_models, megatron_ckpts):
         "done",
     ):
         assert stage in stdout, stage
-    forced, stdout = megatron_ckpts[("llama", 1)]
+    forced, stdout = megatron_ckpts[("llama", 1, 1)]
     assert "4 safetensors file(s)" in stdout  # the sharded input
     assert not (forced / "stale.txt").exists()
 
@@ -231,7 +235,7 @@ def test_which_training_step_is_converted_and_refusals(training_run, hf_models, 
     assert str(ckpts / "step_00000001") in msg and str(tmp_path / "config.yaml") in msg and "--hf-config" in msg
     msg = error(ckpts, tmp_path)
     assert f"--hf-config names {tmp_path}, which has no config.json" in msg
-    assert "--hf-config is for training checkpoints" in error(megatron_ckpts[("llama", 1)][0], src)
+    assert "--hf-config is for training checkpoints" in error(megatron_ckpts[("llama", 1, 1)][0], src)
     for n in (1, 2):
         (ckpts / f"step_{n:08d}" / "COMPLETE").unlink()
     msg = error(ckpts, src)
@@ -262,7 +266,7 @@ def test_refuses_a_non_empty_output_without_force(hf_models, megatron_ckpts, tmp
     (out / "keep.txt").write_text("mine")
     err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(hf_models["qwen2"][0]), "--out", str(out))
     assert "not empty" in err and "--force" in err
-    llama = str(megatron_ckpts[("llama", 1)][0])
+    llama = str(megatron_ckpts[("llama", 1, 1)][0])
     err = _fails(run_main, "convert_megatron_to_hf", "--megatron", llama, "--out", str(out))
     assert "not empty" in err and "--force" in err
     assert (out / "keep.txt").read_text() == "mine"
@@ -296,6 +300,15 @@ def test_unsupported_architecture(tmp_path, run_main):
     GPT2Config(n_layer=2, n_embd=64, n_head=4, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
     err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "out"))
     assert "GPT2LMHeadModel" in err and "architectures" in err and "config.json" in err
+
+
+def test_a_sliding_window_qwen3_is_refused_naming_the_field(hf_models, tmp_path, run_main):
+    src = _copy_without(hf_models["qwen3"][0], tmp_path / "sliding")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 16}))
+    err = _fails(run_main, "convert_hf_to_megatron", "--hf", str(src), "--out", str(tmp_path / "out"))
+    assert "config.json: field 'use_sliding_window'=true is not supported" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_tensor_shape_mismatch_and_missing_tensor(hf_models, tmp_path, run_main):

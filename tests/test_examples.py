@@ -1,7 +1,7 @@
 """The example configs and the generated config reference.
 
 Each example loads and validates, its parallel layout fits the model it names and the world size it
-documents, and the 32B example is the paper's run field by field. docs/config.md's config reference is what
+documents, and the 32B examples (Qwen2.5 and Qwen3) are the paper's run field by field. docs/config.md's config reference is what
 tools/config_reference.py generates, and lists every field.
 """
 
@@ -29,6 +29,14 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 # The shape fields of each model's config.json on the Hugging Face Hub (public facts).
 _QWEN2 = {"architectures": ["Qwen2ForCausalLM"]}
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-06,
+}
 ARCHS = {
     "Qwen/Qwen2.5-1.5B-Instruct": {
         **_QWEN2,
@@ -61,6 +69,29 @@ ARCHS = {
         "max_position_embeddings": 131072,
     },
     "tiny-qwen2": {**_QWEN2, **TINY_QWEN2, "vocab_size": 300},  # the demo's model (build_tiny_qwen2)
+    # Qwen3 states head_dim: 128 in both, where hidden / heads is 128 for the 8B but 80 for the 32B
+    "Qwen/Qwen3-8B": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-32B": {
+        **_QWEN3,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
 }
 
 # Yu et al. 2025 (arXiv 2503.14476) section 4.1, and the released verl recipe where the paper is silent.
@@ -127,6 +158,8 @@ def test_the_examples_are_these():
             "gsm8k_qwen2.5_1.5b.yaml",
             "dapo_math_qwen2.5_7b.yaml",
             "dapo_math_qwen2.5_32b.yaml",
+            "dapo_math_qwen3_8b.yaml",
+            "dapo_math_qwen3_32b.yaml",
             "seed_notes_qwen2.5_7b.yaml",
             "grpo_kl_ablation.yaml",
         ]
@@ -151,12 +184,14 @@ def test_example_fits_its_model_and_world_size(path):
     assert longest <= cfg.train.max_tokens_per_microbatch  # the memory plan covers the longest sequence
 
 
-def test_32b_example_is_the_papers_run():
-    path = REPO / "examples" / "dapo_math_qwen2.5_32b.yaml"
+@pytest.mark.parametrize("name, model", [("qwen2.5_32b", "Qwen/Qwen2.5-32B"), ("qwen3_32b", "Qwen/Qwen3-32B")])
+def test_32b_example_is_the_papers_run(name, model):
+    path = REPO / "examples" / f"dapo_math_{name}.yaml"
     cfg = load_config(path)
     assert {key: get(cfg, key) for key in PAPER_32B} == PAPER_32B
     assert cfg.sampler.train_batch_size * cfg.algorithm.group_size // cfg.optim.mini_batch_size == 16  # updates
-    arch = ModelArch.from_hf_config(ARCHS["Qwen/Qwen2.5-32B"])
+    assert header(path)["model"] == model
+    arch = ModelArch.from_hf_config(ARCHS[model])
     assert header(path)["world_size"] == "128"  # 16 nodes x 8 GPUs
     assert check_layout(arch, cfg.parallel, cfg.model, 128).dp == 8
 

@@ -189,6 +189,8 @@ def test_encode_quantizes_only_the_decoder_projections(seed):
         "lm_head.weight",
         "model.norm.weight",
         "model.layers.3.self_attn.q_proj.bias",
+        "model.layers.3.self_attn.q_norm.weight",  # Qwen3's per-head norms stay in the model's dtype too
+        "model.layers.3.self_attn.k_norm.weight",
     ):
         assert not is_quantized(name)
         assert [(n, t) for n, t in encode(name, w, "fp8")] == [(name, w)]

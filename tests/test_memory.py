@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 
 import pytest
+from test_examples import ARCHS
 
 from megatron_dapo.config import TrainConfig, field_docs, load_config
 from megatron_dapo.model import memory
+from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.memory import GIB, peak_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,10 +142,13 @@ def test_a_tied_embedding_split_over_stages_is_on_both():
 
 # ----------------------------------------------------------------------------- the shipped examples
 
-MODELS = {  # an example's '# model:' line -> (model/perf.py SHAPES name, tied as on the Hugging Face Hub)
+MODELS = {  # an example's '# model:' line -> (model/perf.py SHAPES name or ModelArch, tied as on the Hugging Face Hub)
     "Qwen/Qwen2.5-1.5B-Instruct": ("qwen2.5-1.5b", True),
     "Qwen/Qwen2.5-7B": ("qwen2.5-7b", False),
     "Qwen/Qwen2.5-32B": ("qwen2.5-32b", False),
+    # SHAPES derive head_dim as hidden / heads: Qwen3's is its own (32B: 128, not 80), so the arch from config.json
+    "Qwen/Qwen3-8B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-8B"]), False),
+    "Qwen/Qwen3-32B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-32B"]), False),
 }
 NOT_ON_A_GPU = {"tiny-qwen2"}  # the CPU demo's model
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -200,7 +205,12 @@ def test_example_fits_an_80_gib_gpu(path):
 
 @pytest.mark.parametrize(
     "name,static_gb,layer_inputs_gb",
-    [("dapo_math_qwen2.5_32b.yaml", 15, 1.0), ("dapo_math_qwen2.5_7b.yaml", 34, 2.5)],
+    [
+        ("dapo_math_qwen2.5_32b.yaml", 15, 1.0),
+        ("dapo_math_qwen2.5_7b.yaml", 34, 2.5),
+        ("dapo_math_qwen3_32b.yaml", 15, 1.0),
+        ("dapo_math_qwen3_8b.yaml", 37, 3.6),
+    ],
 )
 def test_the_examples_own_memory_arithmetic(name, static_gb, layer_inputs_gb):
     """Their comments: '~15 GB (bf16 weights 4 GB + fp32 gradients 8 GB + 1/128 of the fp32 Adam state and master

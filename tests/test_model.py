@@ -43,6 +43,11 @@ LOGPROB_RUNS = {  # name: (family, tied, nproc, overrides, slow); the default at
     "llama-tied": ("llama", True, 1, [], True),
     "qwen2-tp2": ("qwen2", False, 2, ["parallel.tp=2"], True),
     "llama-tied-pp2": ("llama", True, 2, ["parallel.pp=2"], True),
+    # Qwen3: per-head q/k RMSNorm, no QKV bias, head_dim 32 where hidden/heads is 16; Qwen2's four layouts
+    "qwen3": ("qwen3", False, 1, [], False),
+    "qwen3-padded": ("qwen3", False, 1, ["train.packed_sequences=false"], True),
+    "qwen3-unfused": ("qwen3", False, 1, ["model.attention=unfused"], True),
+    "qwen3-tp2": ("qwen3", False, 2, ["parallel.tp=2"], True),
 }
 
 
@@ -280,6 +285,18 @@ def test_layout_checks_pass_and_count_dp():
 def test_bad_hf_configs(tmp_path):
     with pytest.raises(ArchError, match="not supported; expected one of"):
         ModelArch.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    qwen3 = json.loads(tiny_hf_model("qwen3").config.to_json_string())
+    for other in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):  # model_type qwen3 does not make them Qwen3
+        with pytest.raises(ArchError) as e:
+            ModelArch.from_hf_config({**qwen3, "architectures": [other]})
+        assert len(str(e.value).splitlines()) == 1 and f"field 'architectures'=['{other}']" in str(e.value)
+    with pytest.raises(ArchError) as e:
+        ModelArch.from_hf_config({**qwen3, "use_sliding_window": True, "sliding_window": 16}, "Qwen3/config.json")
+    assert str(e.value) == (
+        "Qwen3/config.json: field 'use_sliding_window'=true is not supported; expected false (full attention)"
+    )
+    with pytest.raises(ArchError, match="field 'head_dim' is missing; a qwen3 config needs it"):
+        ModelArch.from_hf_config({k: v for k, v in qwen3.items() if k != "head_dim"})
     with pytest.raises(ArchError, match="field 'intermediate_size' is missing"):
         ModelArch.from_hf_config(
             {
@@ -299,7 +316,33 @@ def test_bad_hf_configs(tmp_path):
         ModelArch.from_hf_dir(tmp_path)
 
 
-@pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True)])
+def test_qwen3_arch_reads_head_dim_norms_and_bias_from_the_config():
+    """head_dim is the config's (32), not hidden/heads (16); the q/k norms are on; the QKV bias is attention_bias."""
+    config = json.loads(tiny_hf_model("qwen3").config.to_json_string())
+    arch = ModelArch.from_hf_config(config)
+    assert (arch.family, arch.head_dim, arch.qk_layernorm, arch.qkv_bias) == ("qwen3", 32, True, False)
+    assert ModelArch.from_hf_config({**config, "attention_bias": True}).qkv_bias
+    assert not ModelArch.from_hf_config(json.loads(tiny_hf_model("qwen2").config.to_json_string())).qk_layernorm
+
+
+def test_the_tiny_qwen3_holds_what_a_qwen3_port_gets_wrong(tiny_qwen3):
+    """model/tiny.py's Qwen3: head_dim (64) is not hidden/heads (32), no QKV bias, and every layer's q_norm and k_norm
+    are neither ones (transformers' init) nor equal, so a dropped, swapped or derived piece changes its outputs."""
+    from safetensors.torch import load_file
+
+    arch = ModelArch.from_hf_dir(tiny_qwen3())
+    shape = (arch.family, arch.num_layers, arch.head_dim, arch.hidden_size // arch.num_attention_heads)
+    assert shape == ("qwen3", 2, 64, 32)
+    assert arch.qk_layernorm and not arch.qkv_bias
+    weights = load_file(tiny_qwen3() / "model.safetensors")
+    assert not any(name.endswith("_proj.bias") for name in weights)
+    for i in range(arch.num_layers):
+        q, k = (weights[f"model.layers.{i}.self_attn.{n}_norm.weight"] for n in "qk")
+        assert q.shape == k.shape == (64,)
+        assert not torch.equal(q, k) and not torch.equal(q, torch.ones(64)) and not torch.equal(k, torch.ones(64))
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True), ("qwen3", False)])
 def test_layout_maps_round_trip_exactly(family, tied):
     model = tiny_hf_model(family, seed=7, vocab_size=VOCAB, tied=tied)
     arch = ModelArch.from_hf_config(json.loads(model.config.to_json_string()))

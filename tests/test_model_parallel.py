@@ -29,7 +29,7 @@ from megatron_helpers import (
     tiny_hf_model,
 )
 
-from megatron_dapo.convert.layouts import megatron_to_hf
+from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
 from megatron_dapo.model.arch import ModelArch
 
 SEQ = 16  # prompt + response tokens of every sample: equal, so micro-batch splits are exact
@@ -102,6 +102,9 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
             1, save_case(tiny_hf_model("qwen2", rms_norm_eps=FAR_EPS), batch, root / "far-eps"), ("--mode", "logprobs")
         ),
     }
+    qwen3 = save_case(tiny_hf_model("qwen3"), batch, root / "case-qwen3")
+    jobs["qwen3-ref"] = train(1, budget(8), on=qwen3)
+    jobs["qwen3-tp2"] = train(2, budget(8), "parallel.tp=2", on=qwen3)
     for name, (family, tied, layers, overrides) in PIPELINES.items():
         model = tiny_hf_model(family, seed=11, vocab_size=250, layers=layers, tied=tied)
         own = save_case(model, random_batch(8, SEQ, 250, seed=2), root / f"case-{name}")
@@ -306,3 +309,30 @@ def test_a_nan_loss_skips_the_update(ran):
     assert math.isnan(bad["actor/loss"]) and bad["actor/update_applied"] == 0.0
     assert got["unchanged"] and got["steps_after_nan"] == 0
     assert good["actor/update_applied"] == 1.0 and got["steps_after_good"] == 1 and math.isfinite(good["actor/loss"])
+
+
+def test_qwen3_step_matches_float64_transformers(batch, ran):
+    """Qwen3 (per-head q/k RMSNorm, no QKV bias, head_dim twice hidden/heads): one step in one process against
+    transformers' Qwen3ForCausalLM in float64, the q/k norms' gradients and updated weights included."""
+    model = tiny_hf_model("qwen3")
+    arch = ModelArch.from_hf_config(model.config.to_dict())
+    assert_matches_float64(dapo_float64(model, batch), result(ran, "qwen3-ref"), arch, "qwen3")
+
+
+@pytest.mark.slow
+def test_qwen3_tp2_step_keeps_the_qk_norms_equal_on_both_ranks(batch, ran):
+    """At TP 2 each rank holds half the heads but a whole copy of the [head_dim] q/k norm weights: their gradients
+    must be summed over TP (Megatron does it only when TransformerConfig.qk_layernorm says so), or the two copies
+    step apart. After the step every replicated tensor is bit-equal on both ranks, and the step is the float64
+    one."""
+    model = tiny_hf_model("qwen3")
+    arch = ModelArch.from_hf_config(model.config.to_dict())
+    got = result(ran, "qwen3-tp2")
+    norms = [n for n in got["replicas"] if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+    assert len(norms) == 2 * arch.num_layers, got["replicas"]
+    assert got["replicas_differ"] == []
+    before = hf_to_megatron(model.state_dict(), arch)
+    for name in norms:  # the step moved them: equal because reduced, not because untouched
+        assert not torch.equal(got["weights"][name], before[name]), name
+    assert_same(result(ran, "qwen3-ref"), got, "qwen3 tp2")
+    assert_matches_float64(dapo_float64(model, batch), got, arch, "qwen3 tp2")

@@ -14,6 +14,7 @@ LAYOUTS = {  # name: (family, tied, nproc, overrides)
     "tp2": ("qwen2", False, 2, ["parallel.tp=2"]),
     "pp2-tied": ("llama", True, 2, ["parallel.pp=2"]),
     "pp2-bf16": ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 tensors over the stages
+    "qwen3-tp2": ("qwen3", False, 2, ["parallel.tp=2"]),  # q_norm / k_norm: replicated, each under its own name
 }
 
 
@@ -36,6 +37,9 @@ def test_bridge_streams_the_hf_state_dict(ran, name):
     got = result(ran, name)
     want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert got["hf"].keys() == want.keys()
+    if family == "qwen3":  # unequal norms (a swap would show), sent as they are
+        q, k = want["model.layers.1.self_attn.q_norm.weight"], want["model.layers.1.self_attn.k_norm.weight"]
+        assert q.shape == k.shape == (32,) and not torch.equal(q, k)
     for name, t in want.items():
         g = got["hf"][name]
         assert torch.equal(g, t.to(g.dtype)), name  # bit-exact at the precision the model holds

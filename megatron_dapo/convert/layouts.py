@@ -1,11 +1,12 @@
-"""Hugging Face <-> Megatron-Core names and layouts for Qwen2/Qwen2.5 and Llama.
+"""Hugging Face <-> Megatron-Core names and layouts for Qwen2/Qwen2.5, Qwen3 (dense) and Llama.
 
 Written once, used by the model loader, the weight bridge and the conversion tools.
 
 `linear_qkv` fuses q, k and v grouped per query group: for each of the num_key_value_heads groups, its
 heads_per_group query heads, then its k head, then its v head (so a tensor-parallel split is a plain chunk
-of whole groups); `linear_fc1` is cat(gate, up) on dim 0. How Megatron splits each tensor across TP ranks,
-and the Transformer Engine spec's names, are model/sharding.py's.
+of whole groups); `linear_fc1` is cat(gate, up) on dim 0. Qwen3's per-head norms map one to one (q_norm ->
+`self_attention.q_layernorm`, k_norm -> `self_attention.k_layernorm`, each [head_dim], replicated over TP). How
+Megatron splits each tensor across TP ranks, and the Transformer Engine spec's names, are model/sharding.py's.
 
 Names here are "full" Megatron names with global layer numbers; model/ maps them to a
 pipeline stage's local numbering.
@@ -28,6 +29,12 @@ _LAYER_ONE_TO_ONE = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
+_QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+"""Megatron -> HF suffixes of the per-head query and key norms (ModelArch.qk_layernorm: Qwen3)."""
+
 
 def megatron_names(arch: ModelArch) -> list[str]:
     """Every full Megatron parameter name of the model (local-spec names), in model order."""
@@ -37,6 +44,8 @@ def megatron_names(arch: ModelArch) -> list[str]:
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         if arch.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
+        if arch.qk_layernorm:
+            names += [p + suffix for suffix in _QK_NORMS]
         names += [
             p + "self_attention.linear_proj.weight",
             p + "pre_mlp_layernorm.weight",
@@ -63,6 +72,8 @@ def megatron_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         "pre_mlp_layernorm.weight": (h,),
         "self_attention.linear_qkv.weight": (q + 2 * kv, h),
         "self_attention.linear_qkv.bias": (q + 2 * kv,),
+        "self_attention.q_layernorm.weight": (d,),
+        "self_attention.k_layernorm.weight": (d,),
         "self_attention.linear_proj.weight": (h, q),
         "mlp.linear_fc1.weight": (2 * arch.intermediate_size, h),
         "mlp.linear_fc2.weight": (h, arch.intermediate_size),
@@ -127,6 +138,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, to
                 get(hp + "self_attn.v_proj.bias", (nkv,)),
                 arch,
             )
+        if arch.qk_layernorm:
+            for m_suffix, hf_suffix in _QK_NORMS.items():
+                out[mp + m_suffix] = get(hp + hf_suffix, (d,))
         out[mp + "self_attention.linear_proj.weight"] = get(hp + "self_attn.o_proj.weight", (h, nq))
         out[mp + "pre_mlp_layernorm.weight"] = get(hp + "post_attention_layernorm.weight", (h,))
         out[mp + "mlp.linear_fc1.weight"] = torch.cat(
@@ -158,6 +172,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
     hp = f"model.layers.{i}."
     if suffix in _LAYER_ONE_TO_ONE:
         yield hp + _LAYER_ONE_TO_ONE[suffix], tensor
+    elif suffix in _QK_NORMS and arch.qk_layernorm:
+        yield hp + _QK_NORMS[suffix], tensor
     elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         q, k, v = qkv_from_megatron(tensor, arch)

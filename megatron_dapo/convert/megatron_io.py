@@ -38,7 +38,7 @@ class CheckpointMeta:
     """What megatron_dapo.json says about a Megatron checkpoint directory."""
 
     family: str
-    """Model family, 'qwen2' or 'llama' (ModelArch.family)."""
+    """Model family, 'qwen2', 'qwen3' or 'llama' (ModelArch.family)."""
     tp: int
     """Tensor-parallel size it was saved from (any other loads it: dist_checkpointing reshards)."""
     pp: int

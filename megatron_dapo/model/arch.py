@@ -1,8 +1,11 @@
 """The model families we run, read from a Hugging Face config.json.
 
-Qwen2/Qwen2.5 and Llama share one decoder shape (pre-RMSNorm, RoPE, GQA, SwiGLU); they
-differ in the QKV bias (Qwen2 has it) and in defaults. `ModelArch` is that shape, and the
-only thing the Megatron provider and the weight maps need to know about a checkpoint.
+Qwen2/Qwen2.5, Qwen3 (dense) and Llama share one decoder shape (pre-RMSNorm, RoPE, GQA, SwiGLU); they
+differ in the QKV bias (Qwen2 has it; Qwen3 and Llama take it from `attention_bias`, off in every released
+checkpoint), in Qwen3's RMSNorm on each head's queries and keys before RoPE (`qk_layernorm`), in Qwen3's
+`head_dim`, which is its own field and not hidden/heads (Qwen3-32B: 64 heads of 128 = 8192 against a hidden of
+5120), and in defaults. `ModelArch` is that shape, and the only thing the Megatron provider and the weight maps
+need to know about a checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+"""config.json's `architectures` entry -> family; its `model_type` is the family's name."""
 
 
 class ArchError(ValueError):
@@ -22,7 +26,7 @@ class ArchError(ValueError):
 @dataclass(frozen=True)
 class ModelArch:
     family: str
-    """'qwen2' or 'llama'."""
+    """'qwen2', 'qwen3' or 'llama'."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +39,8 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_layernorm: bool = False
+    """RMSNorm over head_dim on every query and key head before RoPE (Qwen3's q_norm / k_norm, weights [head_dim])."""
 
     @property
     def heads_per_group(self) -> int:
@@ -45,8 +51,10 @@ class ModelArch:
         """From the dict of a Hugging Face config.json (or `PretrainedConfig.to_dict()`)."""
         archs = config.get("architectures") or []
         family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
-        if family is None:
-            family = {"qwen2": "qwen2", "llama": "llama"}.get(config.get("model_type", ""))
+        # model_type only where no architecture is named: one we cannot map (Qwen3MoeForCausalLM) is refused
+        # whatever its model_type says
+        if not archs:
+            family = {f: f for f in SUPPORTED.values()}.get(config.get("model_type", ""))
         if family is None:
             raise ArchError(
                 f"{source}: field 'architectures'={archs} (model_type={config.get('model_type')!r}) is not supported; "
@@ -63,7 +71,13 @@ class ModelArch:
         hidden = int(need("hidden_size"))
         if heads % kv_heads:
             raise ArchError(f"{source}: field 'num_key_value_heads'={kv_heads} must divide num_attention_heads={heads}")
-        head_dim = int(config.get("head_dim") or hidden // heads)
+        # Qwen3 states head_dim (transformers' Qwen3Config defaults it to 128 whatever the hidden size), so it is
+        # read, never derived; the others fall back to hidden/heads as transformers does
+        head_dim = int(need("head_dim")) if family == "qwen3" else int(config.get("head_dim") or hidden // heads)
+        if config.get("use_sliding_window"):
+            raise ArchError(
+                f"{source}: field 'use_sliding_window'=true is not supported; expected false (full attention)"
+            )
         rope = config.get("rope_theta")
         if rope is None:  # transformers 5 moves it into rope_parameters
             rope = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -73,7 +87,7 @@ class ModelArch:
                 f"{source}: field 'rope_scaling' type {rope_scaling.get('rope_type')!r} is not supported; "
                 "expected plain RoPE"
             )
-        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))
+        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))  # Qwen2: always, no field
         if family == "llama" and config.get("mlp_bias"):
             raise ArchError(f"{source}: field 'mlp_bias'=true is not supported; expected false")
         return ModelArch(
@@ -90,6 +104,7 @@ class ModelArch:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            qk_layernorm=family == "qwen3",
         )
 
     @staticmethod

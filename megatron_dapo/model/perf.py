@@ -48,10 +48,12 @@ def model_flops_per_token(arch, seq: int) -> float:
 
 
 def param_count(arch) -> int:
-    """Parameters of the model: matmuls, QKV biases, norms and embeddings (the output layer unless tied)."""
+    """Parameters of the model: matmuls, QKV biases, norms (Qwen3's q/k norms too) and embeddings (the output layer
+    unless tied)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    layer = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h + 3 * h * arch.intermediate_size + 2 * h
+    norms = 2 * h + 2 * d * arch.qk_layernorm
+    layer = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h + 3 * h * arch.intermediate_size + norms
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     return arch.num_layers * layer + embeddings + h
 

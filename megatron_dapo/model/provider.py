@@ -59,6 +59,10 @@ def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        # Qwen3's per-head q/k RMSNorm; the spec builds the norms (layer_spec), but only this flag makes Megatron
+        # all-reduce their gradients over TP (finalize_model_grads): each rank sees its own heads, so without it the
+        # replicas of the same [head_dim] weight drift apart from the first step
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -106,9 +110,9 @@ def layer_spec(arch: ModelArch, layout: Layout, varlen_attention: bool = False):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if layout.use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     attention = spec.submodules.self_attention.submodules
     if layout.attention == "sdpa":
         from megatron_dapo.model.attention import SDPAttention

@@ -1,4 +1,4 @@
-"""A tiny random Qwen2 checkpoint with its own byte-level BPE tokenizer, for tests, benchmarks and the CPU demo.
+"""Tiny random Qwen2 and Qwen3 checkpoints with their own byte-level BPE tokenizer, for tests, benchmarks and the demo.
 
 Nothing can be downloaded here, so the model is built from a config with transformers and
 saved as float32 safetensors next to a tokenizer trained by
@@ -36,6 +36,13 @@ TINY_QWEN2 = dict(
     initializer_range=0.1,
 )
 
+# Qwen3's head_dim is its own field: 64 here, not hidden / heads = 32, so code that derives it fails on shapes.
+TINY_QWEN3 = {**TINY_QWEN2, "head_dim": 64}
+
+QK_NORM_STD = 0.3
+"""Spread of the tiny Qwen3's q_norm / k_norm weights around 1: transformers initialises both to ones, and a model
+whose two norms are equal would hide a swap of them."""
+
 
 def build_tiny_qwen2(
     out_dir: str | Path, seed: int = 0, vocab_size: int = 320, corpus: list[str] | None = None, **overrides
@@ -48,20 +55,44 @@ def build_tiny_qwen2(
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    return _build(Qwen2Config, Qwen2ForCausalLM, {**TINY_QWEN2, **overrides}, out_dir, seed, vocab_size, corpus)
+
+
+def build_tiny_qwen3(
+    out_dir: str | Path, seed: int = 0, vocab_size: int = 320, corpus: list[str] | None = None, **overrides
+) -> Path:
+    """build_tiny_qwen2's Qwen3ForCausalLM: 2 layers, head_dim 64 (not hidden/heads), no QKV bias, and q_norm and
+    k_norm weights 1 + QK_NORM_STD * N(0, 1), drawn separately for each. overrides: Qwen3Config fields over TINY_QWEN3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def spread_qk_norms(model) -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.add_(torch.randn_like(p) * QK_NORM_STD)
+
+    fields = {**TINY_QWEN3, **overrides}
+    return _build(Qwen3Config, Qwen3ForCausalLM, fields, out_dir, seed, vocab_size, corpus, spread_qk_norms)
+
+
+def _build(config_cls, model_cls, fields: dict, out_dir, seed: int, vocab_size: int, corpus, after_init=None) -> Path:
+    """The tokenizer, then the model from config_cls(**fields) on it, initialised from `seed`, then after_init(model)."""
     from megatron_dapo.model.tokenizer import train_byte_bpe_tokenizer
 
     out_dir = Path(out_dir)
     tok = train_byte_bpe_tokenizer(corpus or CORPUS, out_dir, vocab_size=vocab_size)
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=len(tok),
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         torch_dtype="float32",
-        **{**TINY_QWEN2, **overrides},
+        **fields,
     )
     with torch.random.fork_rng():  # seeded here without reseeding the caller's global generator
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        model = model_cls(config).to(torch.float32).eval()
+        if after_init is not None:
+            after_init(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

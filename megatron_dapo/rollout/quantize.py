@@ -8,8 +8,9 @@ weight W [N, K] becomes
 
 with scale_inv = amax(|block|) / 448 (448 is E4M3's largest value), so every block uses E4M3's whole range.
 ("scale_inv" because it multiplies on dequantization.) Only the decoder layers' projections are quantized;
-the embedding, the norms, the biases and the output layer stay in the model's dtype (the paper-scale runs of
-the trainers we compare with do the same: they carry little of the compute and much of the sensitivity).
+the embedding, the norms (Qwen3's per-head q_norm / k_norm too), the biases and the output layer stay in the
+model's dtype (the paper-scale runs of the trainers we compare with do the same: they carry little of the compute
+and much of the sensitivity).
 
 The quantizer is NVIDIA ModelOpt's: `FP8QTensor.quantize/dequantize` with 128 x 128 block sizes (the cast and
 its padding for shapes that are not block multiples), fed with scales computed here from ModelOpt's
