@@ -487,8 +487,7 @@ def lagging_weights(ds, eta: int, train_ticks: int = 3):
 
     def land() -> None:
         k = ds.version
-        ds.weights_version = min(k, max(0, k - eta + ticks[0] // train_ticks))
-        ds.scheduler.untrained_batches = k - ds.weights_version
+        ds.weights_updated(min(k, max(0, k - eta + ticks[0] // train_ticks)))
 
     def between_ticks() -> None:
         ticks[0] += 1
@@ -499,7 +498,7 @@ def lagging_weights(ds, eta: int, train_ticks: int = 3):
         land()
         return ds.next_batch()
 
-    ds.between_ticks = between_ticks
+    ds.run_between_ticks(between_ticks)
     return next_batch
 
 

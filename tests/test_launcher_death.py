@@ -220,8 +220,9 @@ def _newest_complete(run: Path) -> int:
     return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
 
 
-def _kill_launcher_then_resume(cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int,
-                               ranks: int) -> str:
+def _kill_launcher_then_resume(
+    cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int, ranks: int
+) -> str:
     """Start cmd (a launcher) in a session of its own, kill -9 its process group once step 1 is saved and a reward
     worker and `ranks` torchrun ranks run, check that every process of the run is gone within 10 s, relaunch with
     trainer.resume=true and return its stderr once it finished."""
