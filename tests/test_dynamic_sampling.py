@@ -682,6 +682,22 @@ def _short_and_long_partial(pool, max_staleness: int):
     return loader(make_dataset(50), engine, pool, max_staleness=max_staleness, **kw)
 
 
+def test_the_controller_sets_the_weights_and_the_between_ticks_service_through_the_loader(pool):
+    """What the asynchronous controller tells the loader (pipeline/controller.py): weights_updated(v) tags later
+    tokens with v and counts the batches collected and not trained for admission; run_between_ticks(f) calls f
+    after every tick."""
+    ds = _short_and_long_partial(pool, max_staleness=2)
+    assert ds.sampling_version == 0 and ds.scheduler.untrained_batches == 0
+    ticks = []
+    ds.run_between_ticks(lambda: ticks.append(ds.version))
+    batches = [ds.next_batch() for _ in range(3)]
+    assert len(ticks) == sum(b.stats["sampler/ticks"] for b in batches) > 0
+    ds.weights_updated(1)  # three batches handed out, the first trained
+    assert ds.sampling_version == 1 and ds.scheduler.untrained_batches == 2
+    ds.weights_updated(3)
+    assert ds.sampling_version == 3 and ds.scheduler.untrained_batches == 0
+
+
 def test_paused_groups_continue_with_their_tokens_and_versions(pool):
     ds = _short_and_long_partial(pool, max_staleness=2)
     first = ds.next_batch()
