@@ -17,7 +17,9 @@ stay on its engine's first rank, which scores them; only their summaries (length
 rewards) reach every rank. Once the batch is known each response moves, as tensors, to the ranks of
 the data-parallel replica that trains it (sampling/exchange.py). Each data-parallel rank trains on its
 slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
-rank's bridge streams the full weights into its own engine.
+rank's bridge streams the full weights into its own engine. All of that is the colocated `Rollout`
+(pipeline/rollout.py); with pipeline.mode=async the same loop runs against the remote one (pipeline/remote.py: the
+engines, loader and evaluator in the rollout processes), with no branch here on the mode.
 """
 
 from __future__ import annotations
