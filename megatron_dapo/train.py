@@ -1,5 +1,8 @@
 """Entry point: python -m megatron_dapo.train --config FILE [dotted.overrides=...]  (torchrun for several ranks).
 
+One process of a run: a colocated rank, or (pipeline.mode=async) the side DAPO_ROLE names, which the launchers set
+(python -m megatron_dapo.launch local|slurm|ray start both sides).
+
 Runs trainer.total_steps rollout steps, printing one progress line per step and writing every
 metric to run_dir/metrics.jsonl, TensorBoard and (when trainer.wandb_project is set) Weights &
 Biases. Checkpoints every trainer.save_every steps and at the end. SIGTERM or SIGUSR1 (Slurm's
@@ -171,30 +174,18 @@ def progress_line(m: dict[str, Any]) -> str:
     )
 
 
-def train(config: str | None, overrides: list[str], nproc: int | None = None) -> int | None:
+def train(config: str | None, overrides: list[str]) -> int | None:
     from megatron_dapo.config import load_config
+    from megatron_dapo.pipeline.transport import process_role
 
     cfg = load_config(config, overrides)
-    if cfg.pipeline.mode == "async":
-        from megatron_dapo.config import ConfigError
-        from megatron_dapo.sampling.controller import ROLE_ENV, Transport, transport_backend
+    if process_role(cfg) == "rollout":  # DAPO_ROLE, set by the launchers (launch/): the asynchronous rollout side
+        from megatron_dapo.pipeline.controller import run_rollout
 
-        role = os.environ.get(ROLE_ENV)
-        if role is None:  # this process starts both sides and waits for them
-            from megatron_dapo.launch.local import run_async_local
-
-            return run_async_local(config, overrides, cfg, nproc)
-        if role not in ("rollout", "train"):
-            raise ConfigError(f"{ROLE_ENV}={role!r}: expected rollout or train (pipeline.mode=async)")
-        Transport.from_env()  # where the sides meet and how, checked before either builds anything
-        transport_backend(cfg)
-        if role == "rollout":  # stop signals are the train side's: it saves, then stops the controller
-            from megatron_dapo.sampling.controller import run_rollout
-
-            for sig in StopSignals.SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-            run_rollout(cfg)
-            return None
+        for sig in StopSignals.SIGNALS:  # stop signals are the train side's: it saves, then stops the controller
+            signal.signal(sig, signal.SIG_IGN)
+        run_rollout(cfg)
+        return None
     stop = StopSignals()
     lock = None
     if os.environ.get("RANK", "0") == "0":  # the writer of checkpoints and metrics: one per run directory
@@ -255,20 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argument_parser(__doc__)
     ap.add_argument("--config", default=None, help="YAML config file (defaults: the paper's values)")
     ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
-    ap.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="pipeline.mode=async started here: processes in all, the rollout side's included (default: "
-        "pipeline.rollout_gpus + 1)",
-    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.28")
     args = ap.parse_intermixed_args(argv)  # options before, between or after the overrides
     quiet_libraries(args.debug)
     from megatron_dapo.launch.lifeline import watch_launcher
 
     watch_launcher()  # a process started by a launcher stops when the launcher is gone
-    return run_cli(lambda: train(args.config, args.overrides, args.nproc), args.debug)
+    return run_cli(lambda: train(args.config, args.overrides), args.debug)
 
 
 if __name__ == "__main__":

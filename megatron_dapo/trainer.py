@@ -17,7 +17,9 @@ stay on its engine's first rank, which scores them; only their summaries (length
 rewards) reach every rank. Once the batch is known each response moves, as tensors, to the ranks of
 the data-parallel replica that trains it (sampling/exchange.py). Each data-parallel rank trains on its
 slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
-rank's bridge streams the full weights into its own engine.
+rank's bridge streams the full weights into its own engine. All of that is the colocated `Rollout`
+(pipeline/rollout.py); with pipeline.mode=async the same loop runs against the remote one (pipeline/remote.py: the
+engines, loader and evaluator in the rollout processes), with no branch here on the mode.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from megatron_dapo.algorithm import (
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample
-from megatron_dapo.rollout.held_out import HeldOutEval
-from megatron_dapo.sampling.exchange import Comm, SampleId, deliver
-from megatron_dapo.sampling.loader import DynamicSamplingLoader
+from megatron_dapo.pipeline.rollout import Rollout
+from megatron_dapo.sampling.exchange import Comm, SampleId
+from megatron_dapo.sampling.loader import StepBatch
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.timing import PhaseTimer
 from megatron_dapo.types import Prompt, Response
@@ -56,20 +58,16 @@ def train_samples(
     ids: list[SampleId],
     responses: dict[SampleId, Response],
     prompts: Any,
-    adv_eps: float,
     overlong_filter: bool,
-    adv_norm: str = "std",
 ) -> list[TrainSample]:
-    """TrainSamples for the responses `ids` of the batch: each its group's advantage (from the shaped rewards of
-    every response of the group, computed in float64), overlong filtering, the engine's logprobs for truncated IS.
+    """TrainSamples for the responses `ids` of the batch: overlong filtering, the engine's logprobs for truncated IS;
+    their advantages come once the step's rewards are final (assign_advantages).
 
     batch: the step's groups; responses: (key, j) -> Response for every id; prompts[index] -> Prompt.
     """
     if not ids:
         return []
     by_key = {g.key: i for i, g in enumerate(batch)}
-    rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float64)
-    advantages = group_advantages(rewards, eps=adv_eps, norm=adv_norm)
     truncated = torch.tensor([g.truncated for g in batch], dtype=torch.bool)
     in_loss = overlong_filter_mask(truncated) if overlong_filter else torch.ones_like(truncated)
     samples = []
@@ -79,12 +77,37 @@ def train_samples(
             TrainSample(
                 prompt_ids=list(prompts[g.index].token_ids),
                 response_ids=list(r.token_ids),
-                advantage=float(advantages[by_key[key], j]),
                 rollout_logp=None if r.logprobs is None else torch.tensor(r.logprobs, dtype=torch.float32),
                 in_loss=bool(in_loss[by_key[key], j]),
             )
         )
     return samples
+
+
+def assign_advantages(
+    batch: list[GroupMeta],
+    ids: list[SampleId],
+    samples: list[TrainSample],
+    rewards: torch.Tensor,
+    adv_eps: float,
+    adv_norm: str = "std",
+) -> None:
+    """Each sample (response `ids[i]`) its group's advantage, from the shaped rewards of every response of the group.
+
+    rewards: [len(batch), G] float64, the batch's rewards in batch order (with algorithm.kl_in_reward already less
+    the KL penalty); the advantages are computed once, in float64, whichever of them this rank trains.
+    """
+    if not ids:
+        return
+    row = {g.key: i for i, g in enumerate(batch)}
+    advantages = group_advantages(rewards, eps=adv_eps, norm=adv_norm)
+    for (key, j), s in zip(ids, samples):
+        s.advantage = float(advantages[row[key], j])
+
+
+def batch_rewards(batch: list[GroupMeta]) -> torch.Tensor:
+    """[len(batch), G] float64: every response's shaped reward, in batch order."""
+    return torch.tensor([g.rewards for g in batch], dtype=torch.float64)
 
 
 def minibatch_ids(batch: list[GroupMeta], mini_batch_size: int, dp: int, dp_rank: int) -> list[list[SampleId]]:
@@ -106,6 +129,7 @@ class Trainer:
     """Builds every component from the config and runs rollout steps."""
 
     def __init__(self, cfg: Config) -> None:
+        self.rollout: Optional[Rollout] = None  # the engines' side, in either pipeline.mode (pipeline/rollout.py)
         try:
             self._build(cfg)
         except BaseException:  # a bad checkpoint or a signal at start-up: stop what already started, then raise
@@ -121,8 +145,7 @@ class Trainer:
         from megatron_dapo.model.parallel import init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.model.provider import weights_digest
-        from megatron_dapo.reward import RewardPool
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.pipeline.rollout import make_rollout
         from megatron_dapo.rollout.vllm_env import rollout_tp
         from megatron_dapo.rollout.weight_bridge import WeightBridge
 
@@ -132,10 +155,7 @@ class Trainer:
         hf = Path(cfg.model.hf_path)
         self.arch = ModelArch.from_hf_dir(hf)
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed)
-        self.rollout_tp = rollout_tp(cfg)
-        check_distributed(cfg, self.layout.world_size, self.layout.dp, self.rollout_tp)
-        self.num_engines = self.layout.world_size // self.rollout_tp
-        self.engine_id = self.layout.rank // self.rollout_tp  # vLLM groups consecutive ranks into an engine
+        check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         weights = LazyMegatronWeights(SafetensorsReader(hf), self.arch)
         self.policy = MegatronPolicy(cfg, self.arch, self.layout, weights)
@@ -157,132 +177,79 @@ class Trainer:
         self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
-        self.engine = self.pool = self.remote = None
-        if cfg.pipeline.mode == "async":  # the engines and the loader live in the rollout process
-            from megatron_dapo.sampling.controller import RemoteRollout, Transport, transport_backend
-
-            self.remote = self.loader = RemoteRollout(
-                Transport.from_env(), self.layout.rank, cfg.pipeline.rollout_gpus, transport_backend(cfg)
-            )
-        else:
-            self.engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy")
-            self.pool = RewardPool.from_config(cfg.reward)
-            # evaluation; training rollouts are scored by their engine's rank
-            self.held_out = HeldOutEval(
-                self.engine,
-                self.pool,
-                self.layout.rank,
-                self.layout.world_size,
-                self.rollout_tp,
-                cfg.seed,
-                [self.tokenizer.eos_token_id],
-            )
-            self.loader = DynamicSamplingLoader(
-                cfg,
-                self.dataset,
-                {self.engine_id: self.engine},
-                self.pool,
-                num_engines=self.num_engines,
-                owned={self.engine_id} if self.layout.rank % self.rollout_tp == 0 else set(),
-                comm=self.comm,
-                stop_token_ids=[self.tokenizer.eos_token_id],
-            )
+        self.rollout = make_rollout(cfg, self.tokenizer, self.dataset, self.comm)
         self.step = 0
         self.gen_rounds = 0
         self.nan_in_a_row = 0
-        self._val_prompts: list[Prompt] | None = None
-        if self.engine is not None:
-            self.engine.show_progress = cfg.trainer.progress_bar and self.layout.rank == 0
         if resumed is not None:
             self.step = resumed["step"]
             self.load_state_dict(resumed["trainer"])
             if self.layout.rank == 0:
                 log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
-        if self.remote is not None:
-            self.remote.start()  # the controller loads the loader state, if any, and serves from it
-        self._sync(self.step)  # the engine started from dummy weights
-
-    # ---------------------------------------------------------------- rollout
+        self.rollout.start()  # async: the controller loads the loader state, if any, and serves from it
+        self.rollout.sync(self.bridge, self.step)  # the engines started from dummy weights
 
     # ---------------------------------------------------------------- one step
 
-    def _samples(self, batch) -> tuple[list[list[TrainSample]], list[SampleId], float]:
-        """This rank's TrainSamples per mini-batch, its responses fetched from their engines' ranks; their ids in
-        the same order, flat; bytes sent."""
+    def _samples(self, batch: StepBatch) -> tuple[list[list[TrainSample]], list[SampleId], float]:
+        """This rank's TrainSamples per mini-batch (advantages not yet assigned), its responses fetched from where
+        they were generated; their ids in the same order, flat; bytes sent over the world."""
         size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
         per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
         mine = per_dp[self.layout.dp_rank]
-        if self.remote is not None:  # the controller sent every response to every train rank
-            responses = {(key, j): r for key, group in batch.local.items() for j, r in enumerate(group)}
-            sent = 0.0
-        else:
-            responses, sent = deliver(
-                self.comm,
-                batch.groups,
-                batch.local,
-                owner_rank=lambda g: g.engine * self.rollout_tp,  # an engine's first rank holds its groups
-                wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb],
-            )
-        a = self.cfg.algorithm
-        slices = [
-            train_samples(batch.groups, ids, responses, self.dataset, a.adv_eps, a.overlong_filter, a.adv_norm)
-            for ids in mine
-        ]
+        responses, sent = self.rollout.responses(
+            batch, wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb]
+        )
+        overlong = self.cfg.algorithm.overlong_filter
+        slices = [train_samples(batch.groups, ids, responses, self.dataset, overlong) for ids in mine]
         return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
 
-    def _sync(self, version: int, evaluate: bool = False) -> dict[str, float]:
-        """The policy's weights (version: rollout steps they have trained) into the engines: this process's
-        own, or the rollout side's (async; evaluate: it evaluates them before its next batch, and
-        evaluate_from_config() waits for the result)."""
-        if self.remote is not None:
-            return self.remote.send_weights(self.bridge, version, evaluate)
-        return self.bridge.sync(self.engine)  # a sleeping engine wakes its weights for the update
+    def _sum_once(self, total: torch.Tensor) -> torch.Tensor:
+        """[n] float64 held by the ranks that count (zeros elsewhere: each DP replica's data counted once) -> the sum
+        over the world, on every rank."""
+        return torch.tensor(self.comm.sum(total.tolist()), dtype=torch.float64)
+
+    def _counts_once(self) -> bool:
+        """The rank of its data-parallel replica whose numbers count: the last stage's first TP and CP rank (its TP
+        and CP peers hold the same)."""
+        return self.policy.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Rollout-vs-training mismatch over the step's tokens on every rank (each DP rank's slice counted once):
         mean |logp difference|, KL (k3) and, with truncated IS on, the fraction of capped weights."""
         cap = self.cfg.tis_cap()
         total = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
-        if self.layout.tp_rank == 0 and self.layout.cp_rank == 0:  # the last stage's TP and CP ranks hold the same
+        if self._counts_once():  # pairs is empty before the last stage
             for old, rollout in pairs:
                 total += rollout_mismatch_sums(old, rollout, cap, self.cfg.algorithm.log_ratio_clamp)
-        total = total.to(self.layout.device)
-        dist.all_reduce(total)
-        return mismatch_metrics(total.cpu(), cap)
+        return mismatch_metrics(self._sum_once(total), cap)
 
-    def _kl_in_reward(self, groups: list[GroupMeta], ids: list[SampleId], samples: list[TrainSample]) -> dict:
+    def _kl_in_reward(
+        self, groups: list[GroupMeta], ids: list[SampleId], samples: list[TrainSample], rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """algorithm.kl_in_reward: each response's reward becomes R - kl_coef x (sum of k over its tokens, from the
-        old and reference logprobs), and every sample's advantage is taken again from those rewards. The sums
-        meet on every rank (each response counted once: its data-parallel rank's first TP and CP rank on the last
-        stage). Returns actor/kl (k per token) and actor/reward_kl_penalty (per response)."""
+        old and reference logprobs). The sums meet on every rank (each response counted once). Returns the penalised
+        rewards [len(groups), G], actor/kl (k per token) and actor/reward_kl_penalty (per response)."""
         a = self.cfg.algorithm
         size = len(groups[0].lengths) if groups else 0  # responses per group (train_samples' layout too)
         row = {g.key: i for i, g in enumerate(groups)}
         sums = torch.zeros(len(groups) * size + 1, dtype=torch.float64)  # per response, then the tokens
-        if self.policy.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0:
+        if self._counts_once():
             for (key, j), s in zip(ids, samples):
                 k = kl_estimate(s.old_logp.double(), s.ref_logp.double(), a.kl_estimator)
                 sums[row[key] * size + j], sums[-1] = k.sum(), sums[-1] + k.numel()
-        sums = sums.to(self.layout.device)
-        dist.all_reduce(sums)
-        sums = sums.cpu()
+        sums = self._sum_once(sums)
         kl_sums = sums[:-1].reshape(len(groups), size)
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-        advantages = group_advantages(kl_penalized_rewards(rewards, kl_sums, a.kl_coef), a.adv_eps, a.adv_norm)
-        for (key, j), s in zip(ids, samples):
-            s.advantage = float(advantages[row[key], j])
-        return {
+        return kl_penalized_rewards(rewards, kl_sums, a.kl_coef), {
             "actor/kl": float(sums[:-1].sum() / sums[-1].clamp(min=1)),
             "actor/reward_kl_penalty": float(a.kl_coef * kl_sums.mean()),
         }
 
     def train_step(self) -> dict[str, float]:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
-        cfg, timer = self.cfg, PhaseTimer()
+        cfg, a, timer = self.cfg, self.cfg.algorithm, PhaseTimer()
         with timer.phase("generate"):
-            batch = self.loader.next_batch()
-            if self.engine is not None:
-                self.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
+            batch = self.rollout.next_batch()
             self.gen_rounds += int(batch.stats["sampler/gen_rounds"])
         mini_batches, ids, bytes_moved = self._samples(batch)
         temperature = cfg.rollout.temperature
@@ -296,14 +263,15 @@ class Trainer:
                     if s.rollout_logp is not None and len(s.rollout_logp) == len(lp["logp"]):
                         pairs.append((lp["logp"], s.rollout_logp))
             mismatch = self._mismatch(pairs)
-        kl = {}
+        kl, rewards = {}, batch_rewards(batch.groups)
         if self.reference is not None:
             with timer.phase("ref_logp"):
                 ref = self.reference.compute_logprobs(mine, temperature)
                 for s, lp in zip(mine, ref or []):
                     s.ref_logp = lp["logp"]
-                if cfg.algorithm.kl_in_reward:
-                    kl = self._kl_in_reward(batch.groups, ids, mine)
+                if a.kl_in_reward:
+                    rewards, kl = self._kl_in_reward(batch.groups, ids, mine, rewards)
+        assign_advantages(batch.groups, ids, mine, rewards, a.adv_eps, a.adv_norm)  # once, from the final rewards
         with timer.phase("train"):
             per_update = [self.policy.train_step(mb, temperature) for mb in mini_batches]
             skipped = sum(1 for m in per_update if not m["actor/update_applied"])
@@ -314,10 +282,8 @@ class Trainer:
                     f"(trainer.max_nan_in_a_row={cfg.trainer.max_nan_in_a_row}); the last good checkpoint is in "
                     f"{self.checkpoints.root}"
                 )
-        with timer.phase("sync"):
-            sync = self._sync(self.step + 1, self.eval_due(self.step + 1))  # the weights that train batch step + 1
-            if self.engine is not None:
-                self.engine.wake()  # and its KV cache for the next rollout
+        with timer.phase("sync"):  # the weights that train batch step + 1
+            sync = self.rollout.sync(self.bridge, self.step + 1, self.eval_due(self.step + 1))
         self.step += 1
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
@@ -351,23 +317,11 @@ class Trainer:
     ) -> dict[str, float]:
         """avg@k and pass@k on prompts with the engines' current weights, scored by the reward pool (HeldOutEval).
         Defaults: one greedy sample, responses up to rollout.max_response_length. Collective over the world."""
-        if self.remote is not None:
-            raise ConfigError("pipeline.mode=async: the rollout side evaluates data.val_files (eval.every) only")
-        return self.held_out.evaluate(
-            prompts, k, temperature, top_p, max_tokens or self.cfg.rollout.max_response_length
-        )
+        return self.rollout.evaluate(prompts, k, temperature, top_p, max_tokens or self.cfg.rollout.max_response_length)
 
     def evaluate_from_config(self) -> dict[str, float]:
-        """evaluate() on data.val_files with the eval section's k, temperature, top_p and length; in async, the
-        rollout side's evaluation of the weights just sent (RemoteRollout.evaluation)."""
-        from megatron_dapo.data.datasets import PromptDataset
-
-        if self.remote is not None:
-            return self.remote.evaluation()
-        if self._val_prompts is None:
-            self._val_prompts = list(PromptDataset.from_config(self.cfg.data, self.tokenizer, split="val"))
-        e = self.cfg.eval
-        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, self.cfg.eval_response_length())
+        """The eval section's evaluation on data.val_files of the weights last synced (Rollout.held_out)."""
+        return self.rollout.held_out()
 
     # ---------------------------------------------------------------- checkpoints and cadence
 
@@ -376,14 +330,14 @@ class Trainer:
         return {
             "gen_rounds": self.gen_rounds,
             "nan_in_a_row": self.nan_in_a_row,
-            "loader": self.loader.state_dict(),
+            "loader": self.rollout.state_dict(),
             "reference_digest": self.reference_digest,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_reference(state)
         self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
-        self.loader.load_state_dict(state["loader"])
+        self.rollout.load_state_dict(state["loader"])
 
     def _check_reference(self, state: Optional[dict[str, Any]]) -> None:
         """A checkpoint's trainer state trained against other reference weights than model.hf_path's: ConfigError.
@@ -412,16 +366,13 @@ class Trainer:
         return (bool(every) and self.step % every == 0) or last
 
     def close(self) -> None:
-        """The last call: the engine's shutdown takes torch.distributed's world with it. Safe on a half-built trainer."""
+        """The last call: a colocated engine's shutdown takes torch.distributed's world with it; what is left of the
+        world goes here. Safe on a half-built trainer."""
         from megatron_dapo.model.parallel import destroy_parallel
 
-        if getattr(self, "remote", None) is not None:
-            self.remote.close()
-        if getattr(self, "pool", None) is not None:
-            self.pool.close()
-        if getattr(self, "engine", None) is not None:
-            self.engine.close()
-        elif dist.is_initialized():
+        if self.rollout is not None:
+            self.rollout.close()
+        if dist.is_initialized():
             destroy_parallel()
 
 

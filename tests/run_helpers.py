@@ -16,10 +16,15 @@ import pytest
 from megatron_dapo.timing import comparable  # noqa: F401  (the tests import it from here, beside metrics())
 
 
-def run_train(overrides: list[str], nproc: int = 1, **env_vars: str) -> subprocess.CompletedProcess:
-    """python -m megatron_dapo.train, under torchrun when nproc > 1, with env_vars set; asserts it succeeded."""
+def run_train(
+    overrides: list[str], nproc: int = 1, launcher: str | None = None, **env_vars: str
+) -> subprocess.CompletedProcess:
+    """python -m megatron_dapo.train, under torchrun when nproc > 1 (launcher="local": python -m megatron_dapo.launch
+    local, whose options are among the overrides), with env_vars set; asserts it succeeded."""
     launch = [sys.executable, "-m", "megatron_dapo.train"]
-    if nproc > 1:  # --standalone: a local rendezvous on a free port
+    if launcher is not None:
+        launch = [sys.executable, "-m", "megatron_dapo.launch", launcher]
+    elif nproc > 1:  # --standalone: a local rendezvous on a free port
         launch[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.run([*launch, *overrides], env=env, capture_output=True, text=True, timeout=600)

@@ -487,8 +487,7 @@ def lagging_weights(ds, eta: int, train_ticks: int = 3):
 
     def land() -> None:
         k = ds.version
-        ds.weights_version = min(k, max(0, k - eta + ticks[0] // train_ticks))
-        ds.scheduler.untrained_batches = k - ds.weights_version
+        ds.weights_updated(min(k, max(0, k - eta + ticks[0] // train_ticks)))
 
     def between_ticks() -> None:
         ticks[0] += 1
@@ -499,7 +498,7 @@ def lagging_weights(ds, eta: int, train_ticks: int = 3):
         land()
         return ds.next_batch()
 
-    ds.between_ticks = between_ticks
+    ds.run_between_ticks(between_ticks)
     return next_batch
 
 
@@ -681,6 +680,22 @@ def _short_and_long_partial(pool, max_staleness: int):
     engine = ScriptedEngine(correct_first(lambda i: 2, length=lambda i, j: 6 if i % 2 else 30), capacity=16)
     kw = dict(mode="stream", partial_rollout=True, train_batch_size=3, engine_sequences=4 * G, shuffle=False)
     return loader(make_dataset(50), engine, pool, max_staleness=max_staleness, **kw)
+
+
+def test_the_controller_sets_the_weights_and_the_between_ticks_service_through_the_loader(pool):
+    """What the asynchronous controller tells the loader (pipeline/controller.py): weights_updated(v) tags later
+    tokens with v and counts the batches collected and not trained for admission; run_between_ticks(f) calls f
+    after every tick."""
+    ds = _short_and_long_partial(pool, max_staleness=2)
+    assert ds.sampling_version == 0 and ds.scheduler.untrained_batches == 0
+    ticks = []
+    ds.run_between_ticks(lambda: ticks.append(ds.version))
+    batches = [ds.next_batch() for _ in range(3)]
+    assert len(ticks) == sum(b.stats["sampler/ticks"] for b in batches) > 0
+    ds.weights_updated(1)  # three batches handed out, the first trained
+    assert ds.sampling_version == 1 and ds.scheduler.untrained_batches == 2
+    ds.weights_updated(3)
+    assert ds.sampling_version == 3 and ds.scheduler.untrained_batches == 0
 
 
 def test_paused_groups_continue_with_their_tokens_and_versions(pool):

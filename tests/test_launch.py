@@ -142,6 +142,18 @@ def test_the_slurm_mapping():
         sbatch_command("examples/tiny_cpu.yaml", [], two, 1, 8, [], REPO)
 
 
+def test_launch_local_splits_its_processes_between_the_two_sides(tmp_path, run_main):
+    """`launch local` is the one way to start an asynchronous job here: --nproc-per-node counts both sides, so one
+    that leaves the train side nothing is one error line, before anything starts."""
+    from megatron_dapo.launch.__main__ import main
+
+    split = [f"trainer.run_dir={tmp_path}", "pipeline.mode=async", "sampler.max_staleness=0"]
+    code, lines = run_main(main, ["local", "--nproc-per-node", "1", *split])
+    assert code == 1 and lines == [
+        "error: --nproc-per-node 1: expected more than pipeline.rollout_gpus=1 (the rest train)"
+    ], lines
+
+
 def test_a_launcher_is_named_first():
     proc = subprocess.run([sys.executable, "-m", "megatron_dapo.launch", "--config", "x.yaml"], capture_output=True,
                           text=True, timeout=60)  # fmt: skip

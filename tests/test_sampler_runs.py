@@ -124,7 +124,7 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert [e is not None for e in evals] == [False, True, False, True, True] and 0 < sum(evals[3:]) < 2
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
-    split = [*cmd, f"trainer.run_dir={cut}", "pipeline.mode=async"]
+    split = [*launch_local(cmd), f"trainer.run_dir={cut}", "pipeline.mode=async"]
     crashed = subprocess.run(split, env={**env, "DAPO_FAULT": "send:3:1"}, capture_output=True, text=True, timeout=600)
     assert crashed.returncode == 1, crashed.stderr[-4000:]
     assert crashed.stderr.splitlines()[-1].startswith("error: the train side exited with status -9")
@@ -169,7 +169,7 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
 @pytest.mark.slow
 def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uninterrupted, tmp_path):
     """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
-    in flight) with two train ranks (--nproc 3: torchrun for the train side):
+    in flight) with two train ranks (launch local --nproc-per-node 3: torchrun for the train side):
 
     1. the rollout process kills itself (DAPO_FAULT) in the middle of taking update 3, once its engine has taken
        the update's second bucket: the run stops at once with one error line, no process of the train side left
@@ -191,9 +191,11 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     cmd, env, _, _ = uninterrupted
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
-    ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc", "3"]
+    ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc-per-node", "3"]
     crash = {**env, "DAPO_FAULT": "receive:3:1"}
-    proc = subprocess.Popen([*cmd, *ahead], env=crash, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*launch_local(cmd), *ahead], env=crash, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     wait_until(lambda: len(metrics(run)) >= 1, what="step 1", proc=proc)  # the train ranks are up
     train_side = [p.pid for p in psutil.Process(_child_with(proc.pid, "DAPO_ROLE=train")).children(recursive=True)]
     train_side.append(_child_with(proc.pid, "DAPO_ROLE=train"))
@@ -205,7 +207,9 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     saved = max(int(p.parent.name.split("_")[1]) for p in ckpt.glob("step_*/COMPLETE"))
     assert saved in (2, 3) and not (ckpt / "step_00000004").exists()
 
-    proc = subprocess.Popen([*cmd, *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*launch_local(cmd), *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_until((ckpt / f"step_{saved + 1:08d}" / "COMPLETE").is_file, what=f"step {saved + 1}", proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
@@ -273,6 +277,12 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def launch_local(cmd: list[str]) -> list[str]:
+    """The trainer's command `cmd` (python -m megatron_dapo.train ARGS) as python -m megatron_dapo.launch local ARGS:
+    the one way to start both sides of an asynchronous job on one machine."""
+    return [sys.executable, "-m", "megatron_dapo.launch", "local", *cmd[3:]]
 
 
 def _child_with(pid: int, env_entry: str) -> int:

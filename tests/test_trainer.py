@@ -22,7 +22,7 @@ from run_helpers import comparable, metrics, python_path, run_train, same_up_to_
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.sampling.records import GroupMeta
-from megatron_dapo.trainer import minibatch_ids, train_samples
+from megatron_dapo.trainer import assign_advantages, batch_rewards, minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
 
 
@@ -57,17 +57,19 @@ def test_samples_take_their_groups_advantage_and_overlong_filter():
         for j in range(4)
     }
     ids = [(7, 0), (7, 1), (7, 2), (7, 3), (9, 1)]
-    samples = train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=True)
+    samples = train_samples(batch, ids, responses, prompts, overlong_filter=True)
+    assign_advantages(batch, ids, samples, batch_rewards(batch), 1e-6)
     # the group's advantage over all 4 of its responses, in float64, whichever of them this rank trains
     want = group_advantages(torch.tensor([g.rewards for g in batch], dtype=torch.float64))
     assert [s.advantage for s in samples] == [float(want[0, j]) for j in range(4)] + [float(want[1, 1])]
     assert [s.in_loss for s in samples] == [True, True, True, False, True]
     assert samples[0].prompt_ids == [1, 2, 2] and samples[4].prompt_ids == [1, 2, 0]
     assert [len(s.response_ids) for s in samples] == [1, 2, 3, 4, 2] and samples[2].rollout_logp.tolist() == [-0.5] * 3
-    assert all(s.in_loss for s in train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=False))
-    assert train_samples(batch, [], responses, prompts, 1e-6, overlong_filter=True) == []
+    assert all(s.in_loss for s in train_samples(batch, ids, responses, prompts, overlong_filter=False))
+    assert train_samples(batch, [], responses, prompts, overlong_filter=True) == []
     # Dr. GRPO (algorithm.adv_norm=none): the reward minus the group's mean, nothing divided
-    dr = train_samples(batch, ids, responses, prompts, 1e-6, overlong_filter=True, adv_norm="none")
+    dr = train_samples(batch, ids, responses, prompts, overlong_filter=True)
+    assign_advantages(batch, ids, dr, batch_rewards(batch), 1e-6, adv_norm="none")
     centred = [r - sum(g.rewards) / 4 for g in batch for r in g.rewards]
     assert [s.advantage for s in dr] == pytest.approx(centred[:4] + [centred[5]], abs=1e-6)
 
@@ -271,8 +273,8 @@ def test_two_rollout_processes_take_the_one_process_run_s_steps_and_evaluate(two
     logprobs within fp32 rounding (two engines batch their sequences differently)."""
     overrides, ref_run, _ = two_steps
     run = tmp_path / "split"
-    split = ["pipeline.mode=async", "pipeline.rollout_gpus=2", "sampler.max_staleness=0", "--nproc", "3"]
-    run_train([*overrides, f"trainer.run_dir={run}", *split])  # the launcher: torchrun for the two rollout processes
+    split = ["pipeline.mode=async", "pipeline.rollout_gpus=2", "sampler.max_staleness=0", "--nproc-per-node", "3"]
+    run_train([*overrides, f"trainer.run_dir={run}", *split], launcher="local")  # torchrun: the 2 rollout processes
     got = metrics(run)
     assert [m["pipeline/weights_version"] for m in got] == [0.0, 1.0]
     assert all(m["weight_transport/gb"] > 0 for m in got)
@@ -359,7 +361,11 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, run_ma
         (["seed=1"], {}, "error: config field model.hf_path is empty"),  # no model given
         (["optim.lr=fast"], {}, "optim.lr"),
         ([f"model.hf_path={tmp_path / 'missing'}"], {}, str(tmp_path / "missing")),
-        (["--nproc", "1", *split], {}, "--nproc 1: expected more than pipeline.rollout_gpus=1"),
+        (
+            split,
+            {},
+            "pipeline.mode=async and DAPO_ROLE is not set: start both sides with python -m megatron_dapo.launch",
+        ),
         (split, {"DAPO_ROLE": "trainer"}, "DAPO_ROLE='trainer': expected rollout or train"),
         (split, {"DAPO_ROLE": "train"}, "DAPO_TRANSPORT='' and DAPO_TRAIN_PROCS='': expected host:port"),
         ([*split, "pipeline.weights_backend=ib"], {}, "pipeline.weights_backend='ib': expected auto, nccl or gloo"),
@@ -395,7 +401,9 @@ def test_async_sides_get_gpus_of_their_own():
     assert side_devices(["3", "5", "6", "7"], 1, 2) == ("3", "5,6")
     assert side_devices(["0", "1", "2", "3"], 2, 2) == ("0,1", "2,3")
     assert side_devices(["GPU-a", "GPU-b"], 1, 1) == ("GPU-a", "GPU-b")
-    with pytest.raises(ConfigError, match=r"--nproc 2: expected as many GPUs, this machine shows 1 \(CUDA_VISIBLE"):
+    with pytest.raises(
+        ConfigError, match=r"--nproc-per-node 2: expected as many GPUs, this machine shows 1 \(CUDA_VISIBLE"
+    ):
         side_devices(["0"], 1, 1)
 
 

@@ -307,7 +307,12 @@ def main() -> None:
             from megatron_dapo.trainer import Trainer
 
             trainer = Trainer(cfg)  # starts vLLM from dummy weights and syncs the policy into it
-            policy, engine, bridge, layout = trainer.policy, trainer.engine, trainer.bridge, trainer.layout
+            policy, engine, bridge, layout = (
+                trainer.policy,
+                trainer.rollout.parts.engine,
+                trainer.bridge,
+                trainer.layout,
+            )
         else:
             trainer = None
             layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)

@@ -4,8 +4,8 @@
   python -m megatron_dapo.launch slurm --config FILE --nodes N [--gpus-per-node G] [--print-only] [overrides]
   python -m megatron_dapo.launch ray   --config FILE --nodes N [--gpus-per-node G] [--address HOST:PORT] [overrides]
 
-local: the trainer in one process, or under torchrun with --nproc-per-node > 1 (an asynchronous job: its two sides,
-as `python -m megatron_dapo.train --nproc`). slurm: sbatch slurm/train_qwen32b.sh, the config and overrides turned
+local: the trainer in one process, or under torchrun with --nproc-per-node > 1 (pipeline.mode=async: both sides, the
+rollout side's pipeline.rollout_gpus processes among them; default pipeline.rollout_gpus + 1). slurm: sbatch slurm/train_qwen32b.sh, the config and overrides turned
 into the variables the script reads (docs/slurm.md gives the mapping); --print-only prints the command. ray: on an
 existing Ray cluster, one actor per GPU, restarts from the newest checkpoint when a worker or node dies (docs/ray.md).
 Overrides are the trainer's dotted KEY=VALUE (docs/config.md). Stop signals (SIGTERM, SIGINT, SIGUSR1) reach the
@@ -29,7 +29,13 @@ def parser(launcher: str) -> argparse.ArgumentParser:
     ap.add_argument("--debug", action="store_true", help="tracebacks for user errors, and every library's log")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200")
     if launcher == "local":
-        ap.add_argument("--nproc-per-node", type=int, default=1, help="processes (GPUs) on this machine (default 1)")
+        ap.add_argument(
+            "--nproc-per-node",
+            type=int,
+            default=None,
+            help="processes (GPUs) on this machine (default 1; pipeline.mode=async: both sides', default "
+            "pipeline.rollout_gpus + 1)",
+        )
         return ap
     ap.add_argument("--nodes", type=int, required=True, help="nodes of the job")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (trainer processes) per node (default 8)")

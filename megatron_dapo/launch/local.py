@@ -2,10 +2,11 @@
 
 `launch local --nproc-per-node N` runs the trainer in one process (N = 1) or under torchrun (N > 1, a local
 rendezvous), forwarding SIGTERM, SIGUSR1 and Ctrl-C to the ranks themselves, which save and exit 0 (torchrun would
-stop them and fail). `python -m megatron_dapo.train pipeline.mode=async ...` (and `launch local` with that mode) comes
-to run_async_local: it starts the rollout side (one process, or torchrun with pipeline.rollout_gpus: the engines and
-the rollout controller) and the train side (one process, or torchrun with the rest of --nproc), tells them where to
-meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE), and waits. Stop signals go to the train
+stop them and fail). `launch local pipeline.mode=async ...`, the one way to start an asynchronous job on one
+machine, comes to run_async_local: it starts the rollout side (one process, or torchrun with pipeline.rollout_gpus: the
+engines and the rollout controller) and the train side (one process, or torchrun with the rest of
+--nproc-per-node), tells them where to meet (DAPO_TRANSPORT, DAPO_TRAIN_PROCS) and which side each is (DAPO_ROLE),
+and waits. Stop signals go to the train
 side, which saves and stops the controller, as a colocated run saves and exits. The train side's exit status is the
 job's; a rollout side that dies ends the train side at once (its last complete checkpoint stays the one to resume
 from) with one error line. A Slurm job sets the same variables per srun step instead (slurm/train_qwen32b.sh,
@@ -27,7 +28,7 @@ from typing import Optional
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
 from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
-from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 ROLLOUT_EXIT_GRACE_S = 60.0
 """After the train side has exited, how long the rollout side may take to stop before it is killed."""
@@ -44,7 +45,7 @@ def side_devices(visible: list[str], rollout_gpus: int, train_procs: int) -> tup
     need = rollout_gpus + train_procs
     if len(visible) < need:
         raise ConfigError(
-            f"--nproc {need}: expected as many GPUs, this machine shows {len(visible)} "
+            f"--nproc-per-node {need}: expected as many GPUs, this machine shows {len(visible)} "
             f"(CUDA_VISIBLE_DEVICES={','.join(visible)!r}); each side needs GPUs of its own (one GPU: start the roles "
             "yourself with DAPO_ROLE and pipeline.weights_backend=gloo, docs/async.md)"
         )
@@ -95,13 +96,14 @@ def signal_ranks(proc: subprocess.Popen, procs: int, signum: int) -> None:
                 rank.send_signal(sig)
 
 
-def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: int) -> int:
-    """`launch local`: the trainer on this machine in nproc processes; its exit status (0 after a stop signal's
-    save). An asynchronous job splits nproc into its two sides (run_async_local)."""
-    if nproc < 1:
+def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
+    """`launch local`: the trainer on this machine in nproc processes (None: 1); its exit status (0 after a stop
+    signal's save). An asynchronous job splits nproc into its two sides (run_async_local)."""
+    if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc}: expected at least 1")
     if cfg.pipeline.mode == "async":
         return run_async_local(config, overrides, cfg, nproc)
+    nproc = nproc or 1
     args = [*(["--config", config] if config else []), *overrides]
     env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
     proc = start_side(train_command(args, nproc), env, nproc)
@@ -116,11 +118,12 @@ def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: i
 
 
 def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
-    """Start both sides, forward stop signals to the train side, return its exit status (1 if the rollout died)."""
+    """Start both sides (nproc processes in all, None: pipeline.rollout_gpus + 1), forward stop signals to the train
+    side, return its exit status (1 if the rollout died)."""
     train_procs = (nproc or cfg.pipeline.rollout_gpus + 1) - cfg.pipeline.rollout_gpus
     if train_procs < 1:
         raise ConfigError(
-            f"--nproc {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
+            f"--nproc-per-node {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
         )
     args = [*(["--config", config] if config else []), *overrides]
     env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})

@@ -41,7 +41,7 @@ from megatron_dapo.launch.lifeline import LAUNCHER_PID_ENV, LAUNCHER_START_ENV, 
 from megatron_dapo.launch.local import ROLLOUT_EXIT_GRACE_S, STOP_SIGNALS
 from megatron_dapo.launch.procs import WORLD_ENV
 from megatron_dapo.launch.ray_worker import Worker
-from megatron_dapo.sampling.controller import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 FORWARDED_PREFIXES = (
     "OMP_", "MKL_", "NCCL_", "GLOO_", "TORCH", "CUDA_", "NVIDIA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_",

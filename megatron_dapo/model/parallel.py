@@ -124,11 +124,30 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
     )
 
 
+def env_place() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun's environment gives them (a lone process: 0, 1, 0)."""
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def init_plain_world() -> tuple[int, int]:
+    """torch.distributed's world from the environment, without Megatron's groups: the asynchronous rollout
+    processes' (their loaders' collectives, their engines' groups; objects over gloo, CUDA tensors over NCCL). A lone
+    process starts none. Returns (rank, world size)."""
+    rank, world_size, local_rank = env_place()
+    if world_size > 1:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    return rank, world_size
+
+
 def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed: int) -> Layout:
     """torch.distributed + Megatron process groups + Megatron's model-parallel RNG, from the environment."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world_size, local_rank = env_place()
     layout = check_layout(arch, par, model, world_size)  # before any allocation
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -128,11 +128,10 @@ class DynamicSamplingLoader:
         self._tick = 0  # ticks of the step in progress
         self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
         self.weights_version: Optional[int] = None
-        """Asynchronous: the version of the weights the engines hold, set by the rollout controller as updates land
-        (tokens are tagged with it). None: colocated, where the engines are synced to `version` before each step."""
+        """Asynchronous: the version of the weights the engines hold (weights_updated; tokens are tagged with it).
+        None: colocated, where the engines are synced to `version` before each step."""
         self.between_ticks: Optional[Callable[[], None]] = None
-        """Asynchronous: called after every tick of a step (the controller hands out batches and applies weight
-        updates there, so generation never stops for them)."""
+        """Asynchronous: called after every tick of a step (run_between_ticks)."""
 
     @property
     def version(self) -> int:
@@ -143,6 +142,19 @@ class DynamicSamplingLoader:
     def sampling_version(self) -> int:
         """The version of the weights generating now (the tag of every token sampled now)."""
         return self.version if self.weights_version is None else self.weights_version
+
+    # ---------------------------------------------------------------- asynchronous: set by the rollout controller
+
+    def run_between_ticks(self, service: Callable[[], None]) -> None:
+        """Call service() after every tick of a step: the controller hands out batches and applies weight updates
+        there, so generation never stops for them."""
+        self.between_ticks = service
+
+    def weights_updated(self, version: int) -> None:
+        """The engines hold weights `version` (rollout steps trained) from now on; admission counts the batches
+        collected and not trained yet as started (sampler.max_staleness)."""
+        self.weights_version = version
+        self.scheduler.untrained_batches = max(0, self.version - version)
 
     # ---------------------------------------------------------------- a step
 

@@ -40,22 +40,18 @@ sampler.skip a prompt whose record predicts an uninformative group may be deferr
 queue (consumed from this epoch's pass, back in the next); the groups generated are judged exactly as
 without it.
 
-Staleness: the policy version is the number of weight syncs so far (= rollout steps trained);
-a token sampled under version v and trained at version V is V - v stale. With partial rollout,
-max_staleness is AReaL's eta and bounds admission, never age: a group starts only while the
-informative groups found and not yet trained, plus those generating weighted by the estimated
-informative fraction, stay within (1 + eta) batches; every started group is then trained or rejected
-on its own outcome, however many versions it spans. (sampler.drop_stale restores the older rule:
-engines full, and carried or paused groups that would exceed max_staleness dropped, the longest ones.)
-fill and dynamic_bs carry their surplus one version on only when max_staleness >= 1.
+Staleness: the policy version is the number of weight syncs so far (= rollout steps trained); a token sampled
+under version v and trained at version V is V - v stale. max_staleness has three meanings (docs/async.md's table):
+with partial rollout, AReaL's eta, bounding admission, never age (_admissible: a started group is trained or
+rejected on its own outcome, however many versions it spans; sampler.drop_stale restores the older rule, stale
+groups dropped); fill and dynamic_bs carry their surplus one version on only when it is >= 1 (_too_stale); and
+asynchronous, the batches collected ahead of training (untrained_batches counts them as started).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -63,6 +59,7 @@ from megatron_dapo.cli import UserError
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.prompt_memory import PromptMemory
 from megatron_dapo.sampling.records import Flight, GroupMeta, Paused, StepResult, Stopped, Submission
+from megatron_dapo.sampling.scheduler_state import SchedulerState
 from megatron_dapo.sampling.step import StepState
 
 INITIAL_INFORMATIVE_FRAC = 0.5
@@ -77,7 +74,7 @@ def _requeue_front(queue: list[int], indices: list[int]) -> list[int]:
     return list(indices) + queue
 
 
-class SamplingScheduler:
+class SamplingScheduler(SchedulerState):
     """The decisions of the dynamic-sampling loader; see the module docstring.
 
     sampler: the config's sampler section (validated here too, for a scheduler built outside a config).
@@ -421,53 +418,3 @@ class SamplingScheduler:
         if self._step is None:
             raise RuntimeError("no rollout step in progress: call begin_step() first")
         return self._step
-
-    # ---------------------------------------------------------------- state
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly (plain containers); only between steps."""
-        if self._step is not None:
-            raise RuntimeError("state_dict() during a step: a checkpoint is taken between steps")
-        return {
-            "version": 3,
-            "num_prompts": self.num_prompts,
-            "seed": self.seed,
-            "policy_version": self.version,
-            "epoch": self.epoch,
-            "next_key": self.next_key,
-            "queue": list(self.queue),
-            "carry": [g.to_dict() for g in self.carry],
-            "paused": [asdict(p) for p in self.paused],
-            "informative_frac": self.informative_frac,
-            "memory": self.memory.state_dict(),
-        }
-
-    def digest(self) -> int:
-        """A 52-bit fingerprint of the state (exact in a float64): ranks that took the same decisions share it."""
-        import hashlib
-
-        state = self.state_dict()
-        del state["memory"]  # numpy arrays: hashed as bytes
-        h = hashlib.blake2b(json.dumps(state, sort_keys=True).encode(), digest_size=8)
-        self.memory.update_digest(h)
-        return int.from_bytes(h.digest(), "little") >> 12
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") not in (2, 3):
-            raise ValueError(f"sampler state: unknown version {state.get('version')!r}, expected 3 (or 2)")
-        if state["num_prompts"] != self.num_prompts:
-            raise ValueError(
-                f"sampler state was saved with a dataset of {state['num_prompts']} prompts, but this dataset has "
-                f"{self.num_prompts}: resuming would repeat or skip prompts"
-            )
-        if state["seed"] != self.seed:
-            raise ValueError(f"sampler state was saved with seed {state['seed']}, this run has {self.seed}")
-        if "memory" in state:  # version 2 had no prompt memory: the record starts empty
-            self.memory.load_state_dict(state["memory"])
-        self.version = int(state["policy_version"])
-        self.epoch = int(state["epoch"])
-        self.next_key = int(state["next_key"])
-        self.queue = [int(i) for i in state["queue"]]
-        self.carry = [GroupMeta.from_dict(g) for g in state["carry"]]
-        self.paused = [Paused(**p) for p in state["paused"]]
-        self.informative_frac = float(state["informative_frac"])

@@ -1,14 +1,12 @@
-"""Asynchronous DAPO's two sides (pipeline.mode=async; docs/async.md): the rollout controller and the trainer's end.
+"""Asynchronous DAPO's rollout side (pipeline.mode=async; docs/async.md): its processes' entry point and controller.
 
 The rollout side is pipeline.rollout_gpus processes (one, or a torch.distributed world of its own started by torchrun),
 each running a vLLM engine, a reward pool and the dynamic-sampling loader exactly as a colocated rank does: in
 lockstep, one engine per rollout.tp of them. Its rank 0 is the controller, the only one that talks to the train side;
 what it decides between two ticks it broadcasts to the others, so every rank hands out, updates and stops at the same
-tick. The train side is Megatron's world (any TP x PP x DP). They meet in two transport groups
-(rollout/weight_transport.py), both hosted by the controller at DAPO_TRANSPORT=host:port:
-
-    batches  (gloo, port):        rank 0 the controller, ranks 1.. the train ranks; its TCP store holds the keys below
-    weights  (gloo|nccl, port+1): ranks 0..R-1 the rollout ranks, rank R train rank 0, which sends every update
+tick. The train side is Megatron's world (any TP x PP x DP), whose end is remote.py's RemoteRollout. They meet in
+two transport groups hosted by the controller at DAPO_TRANSPORT=host:port (transport.py): batches, whose TCP store
+holds the keys below, and weights.
 
 At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader state to resume from, or None};
 controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
@@ -37,147 +35,60 @@ generated again on resume (each prompt visit trained or rejected once).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from megatron_dapo.config import Config, ConfigError
-from megatron_dapo.sampling.loader import DynamicSamplingError, StepBatch
+from megatron_dapo.pipeline.rollout import build_rollout_parts
+from megatron_dapo.pipeline.transport import Transport, transport_backend
+from megatron_dapo.sampling.exchange import Comm
+from megatron_dapo.sampling.loader import DynamicSamplingError
 
-log = logging.getLogger("megatron_dapo.sampling")
-
-ROLE_ENV, TRANSPORT_ENV, TRAIN_PROCS_ENV = "DAPO_ROLE", "DAPO_TRANSPORT", "DAPO_TRAIN_PROCS"
-"""How a process of an asynchronous job learns its side, the controller's host:port and the train side's size."""
-
-
-@dataclass(frozen=True)
-class Transport:
-    """Where the two sides meet (from the environment the launcher sets)."""
-
-    host: str
-    port: int
-    train_procs: int
-
-    @staticmethod
-    def from_env() -> Transport:
-        where, procs = os.environ.get(TRANSPORT_ENV, ""), os.environ.get(TRAIN_PROCS_ENV, "")
-        host, _, port = where.rpartition(":")
-        if not host or not port.isdigit() or not procs.isdigit() or int(procs) < 1:
-            raise ConfigError(
-                f"pipeline.mode=async: {TRANSPORT_ENV}={where!r} and {TRAIN_PROCS_ENV}={procs!r}: expected host:port "
-                "and the number of train processes (python -m megatron_dapo.train sets them when it starts both sides)"
-            )
-        return Transport(host, int(port), int(procs))
-
-    def connect(self, role: str, rank: int, rollout_procs: int, backend: str) -> tuple[Any, Any]:
-        """(batches group, weights group) for rank `rank` of side `role` (rollout or train), None where it is not a
-        member: batches = the controller (rollout rank 0) and every train rank; weights = every rollout rank (each
-        drives an engine) and train rank 0, the sender."""
-        from megatron_dapo.rollout.weight_transport import TransportGroup
-
-        if role == "rollout":
-            in_batches, in_weights = (0 if rank == 0 else None), rank
-        else:
-            in_batches, in_weights = rank + 1, (rollout_procs if rank == 0 else None)
-        batches = weights = None
-        if in_batches is not None:
-            batches = TransportGroup.connect(self.host, self.port, in_batches, 1 + self.train_procs, "gloo")
-        if in_weights is not None:
-            weights = TransportGroup.connect(self.host, self.port + 1, in_weights, rollout_procs + 1, backend)
-        return batches, weights
-
-
-def transport_backend(cfg: Config) -> str:
-    """The weights group's backend: pipeline.weights_backend, auto resolved by whether CUDA is available."""
-    import torch
-
-    backend = cfg.pipeline.weights_backend
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("config field pipeline.weights_backend='nccl': expected CUDA in this process (none found)")
-    return backend
-
-
-# ----------------------------------------------------------------------------- the rollout side
+log = logging.getLogger("megatron_dapo.pipeline")
 
 
 def run_rollout(cfg: Config) -> None:
-    """A rollout process: build the engine, pool and loader, then serve the train side until it says stop."""
-    from pathlib import Path
-
+    """A rollout process: build the engine, pool, evaluator and loader (as a colocated rank does: pipeline/rollout.py),
+    then serve the train side until it says stop."""
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.datasets import PromptDataset
-    from megatron_dapo.reward import RewardPool
-    from megatron_dapo.rollout.held_out import HeldOutEval
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
-    from megatron_dapo.rollout.vllm_env import rollout_tp
+    from megatron_dapo.model.parallel import env_place, init_plain_world
     from megatron_dapo.rollout.weight_transport import WeightReceiver
-    from megatron_dapo.sampling.loader import DynamicSamplingLoader
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world, _ = env_place()
     if world != cfg.pipeline.rollout_gpus:
         raise ConfigError(
             f"config field pipeline.rollout_gpus={cfg.pipeline.rollout_gpus!r}: expected the rollout side's processes "
             f"(WORLD_SIZE={world}): one per GPU, started together (torchrun --nproc-per-node on one node)"
         )
     transport = Transport.from_env()
-    tp = rollout_tp(cfg)
-    hf = Path(cfg.model.hf_path)
-    tokenizer = AutoTokenizer.from_pretrained(hf)
+    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.model.hf_path))
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
-    engine = pool = None
+    parts = None
     try:
-        comm = _rollout_world(rank, world)
+        # its own torch.distributed world (several processes: the loaders' collectives, the engines' groups)
+        comm = Comm(*init_plain_world())
         # never asleep: the engines here generate while the train side trains
-        engine = VLLMEngine.from_config(cfg, model_path=str(hf), load_format="dummy", enable_sleep_mode=False)
-        pool = RewardPool.from_config(cfg.reward)
-        loader = DynamicSamplingLoader(
-            cfg,
-            dataset,
-            {rank // tp: engine},
-            pool,
-            num_engines=world // tp,
-            owned={rank // tp} if rank % tp == 0 else set(),  # an engine's first rank holds its groups
-            comm=comm,
-            stop_token_ids=[tokenizer.eos_token_id],
-        )
+        parts = build_rollout_parts(cfg, tokenizer, dataset, comm, enable_sleep_mode=False)
         held_out = None
         if cfg.eval.every:
-            val = list(PromptDataset.from_config(cfg.data, tokenizer, split="val"))
-            held_out = (HeldOutEval(engine, pool, rank, world, tp, cfg.seed, [tokenizer.eos_token_id]), val)
+            held_out = (parts.held_out, list(PromptDataset.from_config(cfg.data, tokenizer, split="val")))
         batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg))
         start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
         state = comm.broadcast_object(start["state"] if rank == 0 else None)
+        loader = parts.loader
         if state is not None:
             loader.load_state_dict(state, merged=True)
         if rank == 0:
-            batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
-        RolloutController(cfg, loader, engine, batches, WeightReceiver(weights, src=world), comm, held_out).run()
+            batches.broadcast_object({"weight_format": parts.engine.weight_format, "batch": loader.version}, src=0)
+        receiver = WeightReceiver(weights, src=world)
+        RolloutController(cfg, loader, parts.engine, batches, receiver, comm, held_out).run()
     finally:
-        if pool is not None:
-            pool.close()
-        if engine is not None:
-            engine.close()
-
-
-def _rollout_world(rank: int, world: int) -> Any:
-    """The rollout side's own torch.distributed world (several processes: the loaders' collectives, the engines'
-    groups; objects over gloo, CUDA tensors over NCCL) as the loader's Comm."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_dapo.sampling.exchange import Comm
-
-    if world > 1:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    return Comm(rank, world)
+        if parts is not None:
+            parts.close()
 
 
 def _expect(msg: Any, *cmds: str) -> dict:
@@ -203,13 +114,13 @@ class RolloutController:
 
     Runs on every rollout rank; rank 0 (the controller proper) reads the store and broadcasts its plan over `comm`,
     so every rank's loader, engine and receiver take the same steps. loader: the DynamicSamplingLoader (its
-    between_ticks is set here). engine: the VLLMEngine it drives. batches: the batches TransportGroup (rank 0; None
+    between-ticks service is this controller's). engine: the VLLMEngine it drives. batches: the batches TransportGroup (rank 0; None
     elsewhere). receiver: a WeightReceiver over the weights group. comm: the rollout side's Comm. held_out:
     (HeldOutEval, the validation prompts) where eval.every > 0.
 
     An update the train side marks for evaluation is evaluated at the next batch boundary (where no group is in
     flight: the groups still generating at a batch's end are paused), before anything else is collected; the train
-    side waits for the result (RemoteRollout.evaluation), so no later update can land first.
+    side waits for the result (RemoteRollout.held_out), so no later update can land first.
     """
 
     POLL_S = 0.005
@@ -234,7 +145,7 @@ class RolloutController:
 
     def run(self) -> None:
         """Until the train side sets stop (or a batch could not be collected and its error was handed out)."""
-        self.loader.between_ticks = self._service
+        self.loader.run_between_ticks(self._service)
         try:
             self._wait(lambda: self.weights is not None)  # the first weights: version = steps trained
             while True:
@@ -257,7 +168,7 @@ class RolloutController:
                         "state": self.loader.merge_states([state for _, state in parts]),
                     }
                 self._hand_out(reply)
-                self.loader.scheduler.untrained_batches = self.loader.version - self.weights
+                self.loader.weights_updated(self.weights)  # admission counts the batch handed out as started
         except _Stop:
             return
 
@@ -321,9 +232,8 @@ class RolloutController:
                 f"{'none' if self.weights is None else self.weights}), the train side sent {version}"
             )
         pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
-        self.weights = self.loader.weights_version = version
-        # admission counts the batches collected and not trained as started (sampler.max_staleness)
-        self.loader.scheduler.untrained_batches = max(0, self.loader.version - version)
+        self.weights = version
+        self.loader.weights_updated(version)  # tokens are tagged with it from here on
         self.pauses.append(self.comm.max([pause["pause_s"]])[0])  # the slowest engine's
         self.e2e.append(time.time() - sent_at)
         if evaluate:
@@ -352,96 +262,3 @@ class RolloutController:
         }
         self.pauses, self.e2e = [], []
         return out
-
-
-# ----------------------------------------------------------------------------- the train side's end
-
-
-class RemoteRollout:
-    """What a train rank holds of the rollout side, with the colocated loader's interface: next_batch() asks the
-    controller for a batch, state_dict() is the loader's state that came with the last batch (what the trainer's
-    checkpoint saves), load_state_dict() keeps a checkpoint's for start() to hand over; send_weights() streams the
-    bridge's buckets to the controller."""
-
-    POLL_S = 0.005
-    """How often a train rank waiting for a batch looks at the store."""
-
-    def __init__(self, transport: Transport, rank: int, rollout_procs: int, backend: str) -> None:
-        from megatron_dapo.rollout.weight_transport import WeightSender
-
-        self.rank = rank  # this process's train rank
-        self.batches, weights = transport.connect("train", rank, rollout_procs, backend)
-        self.store = self.batches.store
-        self.sender = WeightSender(weights)
-        self.state: Optional[dict[str, Any]] = None
-        self.batch = 0  # the index of the next batch to ask for
-        self.evaluating: Optional[int] = None  # the version sent for evaluation, its result not received yet
-        self.evaluated = -1  # the last version whose evaluation this rank received
-
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        return self.state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def start(self) -> None:
-        """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
-        self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
-        reply = self.batches.broadcast_object(None, src=0)
-        self.sender.weight_format, self.batch = reply["weight_format"], reply["batch"]
-
-    def next_batch(self) -> StepBatch:
-        """The controller's next batch; every response of it is on every train rank (`local`)."""
-        t0 = time.perf_counter()
-        if self.rank == 0:
-            self.store.set("dapo/want", str(self.batch))
-        while not self.store.check(["dapo/ready"]) or int(self.store.get("dapo/ready")) < self.batch:
-            self._no_unasked_evaluation()
-            time.sleep(self.POLL_S)  # no collective timeout while the batch is collected
-        reply = self.batches.broadcast_object(None, src=0)
-        self.batch += 1
-        if "error" in reply:
-            raise DynamicSamplingError(reply["error"])
-        if "groups" not in reply:  # the two sides disagree on what comes next: fail now, never wait
-            raise RuntimeError(f"rollout controller: expected batch {self.batch - 1}, got {sorted(reply)}")
-        self.state = reply["state"]
-        stats = {**reply["stats"], "timing/batch_wait": time.perf_counter() - t0}
-        return StepBatch(groups=reply["groups"], local=reply["responses"], stats=stats)
-
-    def send_weights(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
-        """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
-        (the controller joins the broadcast between two of its ticks). evaluate: the rollout side evaluates
-        these weights; evaluation() waits for the result."""
-        if self.rank == 0:
-            self.store.set("dapo/update", f"{version} {time.time()!r} {int(evaluate)}")
-        self.evaluating = version if evaluate else None
-        self.sender.begin(version)
-        metrics = bridge.sync(self.sender)
-        return {**metrics, **self.sender.stats}
-
-    def _no_unasked_evaluation(self) -> None:
-        """An evaluation the train side did not mark waits in the controller's broadcast for a receiver that never
-        comes: fail at once instead."""
-        if self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) > self.evaluated:
-            raise RuntimeError(
-                f"rollout controller: evaluated update {int(self.store.get('dapo/evaluated'))}, which the train side "
-                f"did not mark for evaluation (last evaluated: {self.evaluated})"
-            )
-
-    def evaluation(self) -> dict[str, float]:
-        """The rollout side's held-out evaluation of the weights last sent (send_weights(..., evaluate=True))."""
-        if self.evaluating is None:
-            raise RuntimeError("evaluation() without weights sent for evaluation")
-        while not self.store.check(["dapo/evaluated"]) or int(self.store.get("dapo/evaluated")) < self.evaluating:
-            time.sleep(self.POLL_S)  # the controller evaluates at its next batch boundary
-        reply = self.batches.broadcast_object(None, src=0)
-        if reply.get("version") != self.evaluating:
-            raise RuntimeError(f"rollout controller: expected the evaluation of {self.evaluating}, got {reply!r}")
-        self.evaluated, self.evaluating = self.evaluating, None
-        return reply["eval"]
-
-    def close(self) -> None:
-        """Tell the controller to stop (it looks between ticks, and while it waits)."""
-        if self.rank == 0:
-            with contextlib.suppress(Exception):  # a controller already gone (its store with it) ended the run
-                self.store.set("dapo/stop", "1")

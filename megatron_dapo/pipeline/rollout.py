@@ -1,0 +1,182 @@
+"""What the trainer needs of the rollout side, and the colocated implementation of it.
+
+`Rollout` is the trainer's whole view of generation, in either pipeline.mode: the next batch (collected by the
+dynamic-sampling loader), the responses this rank trains, the weight sync, held-out evaluation, the loader state a
+checkpoint holds, and closing. ColocatedRollout runs the engine, reward pool and loader in the train processes
+(every rank one engine share, docs/architecture.md); RemoteRollout (remote.py) is the train side's end of the
+asynchronous rollout processes (controller.py). make_rollout picks one by pipeline.mode; build_rollout_parts builds
+the engine, pool, evaluator and loader for ColocatedRollout and for the rollout processes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from megatron_dapo.config import Config
+from megatron_dapo.rollout.held_out import HeldOutEval
+from megatron_dapo.sampling.exchange import Comm, SampleId, deliver
+from megatron_dapo.sampling.loader import DynamicSamplingLoader, StepBatch
+from megatron_dapo.types import Prompt, Response
+
+
+class Rollout(Protocol):
+    """The rollout side as the trainer uses it; every method is collective over the train world."""
+
+    def start(self) -> None:
+        """Begin serving: after load_state_dict (a resumed run), before the first sync."""
+
+    def next_batch(self) -> StepBatch:
+        """The next rollout step's groups (every rank the same list), with the responses this rank holds."""
+
+    def responses(
+        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
+    ) -> tuple[dict[SampleId, Response], float]:
+        """(key, j) -> Response for at least every id wanted_by(this rank) (wanted_by(rank): the ids rank trains);
+        and the bytes this rank sent for it."""
+
+    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
+        """Stream the bridge's weights (version: rollout steps they have trained) into the engines; evaluate: these
+        weights are the ones held_out() evaluates next. Returns the sync's metrics."""
+
+    def evaluate(
+        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
+    ) -> dict[str, float]:
+        """avg@k and pass@k on prompts with the engines' current weights (HeldOutEval)."""
+
+    def held_out(self) -> dict[str, float]:
+        """The eval section's evaluation on data.val_files of the weights last synced with evaluate=True."""
+
+    def state_dict(self) -> Any:
+        """The loader state after the last batch (what the trainer's checkpoint holds)."""
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+    def close(self) -> None:
+        """Stop the engines (or the rollout processes); safe to call once whatever start() reached."""
+
+
+@dataclass
+class RolloutParts:
+    """What generates on one rank: its engine (a share of one: rollout.tp ranks drive it), the reward pool, the
+    held-out evaluator and the dynamic-sampling loader over them."""
+
+    engine: Any
+    pool: Any
+    held_out: HeldOutEval
+    loader: DynamicSamplingLoader
+
+    def close(self) -> None:
+        """The pool, then the engine (whose shutdown takes torch.distributed's default group with it)."""
+        self.pool.close()
+        self.engine.close()
+
+
+def build_rollout_parts(
+    cfg: Config, tokenizer: Any, dataset: Any, comm: Comm, enable_sleep_mode: Optional[bool] = None
+) -> RolloutParts:
+    """Engine, pool, evaluator and loader for rank comm.rank of a world of comm.world ranks, one engine per
+    rollout.tp consecutive ranks (vLLM groups them so), its first rank owning the engine's groups. The engine starts
+    from dummy weights (the first sync loads the policy's); enable_sleep_mode None: vLLM's default here (on GPU).
+    What started is closed if a later part fails."""
+    from megatron_dapo.reward import RewardPool
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.vllm_env import rollout_tp
+
+    tp, stop = rollout_tp(cfg), [tokenizer.eos_token_id]
+    hf = str(Path(cfg.model.hf_path))
+    engine = VLLMEngine.from_config(cfg, model_path=hf, load_format="dummy", enable_sleep_mode=enable_sleep_mode)
+    try:
+        pool = RewardPool.from_config(cfg.reward)
+    except BaseException:
+        engine.close()
+        raise
+    engine_id = comm.rank // tp
+    loader = DynamicSamplingLoader(
+        cfg,
+        dataset,
+        {engine_id: engine},
+        pool,
+        num_engines=comm.world // tp,
+        owned={engine_id} if comm.rank % tp == 0 else set(),
+        comm=comm,
+        stop_token_ids=stop,
+    )
+    # evaluation; training rollouts are scored by their engine's rank
+    held_out = HeldOutEval(engine, pool, comm.rank, comm.world, tp, cfg.seed, stop)
+    return RolloutParts(engine, pool, held_out, loader)
+
+
+class ColocatedRollout:
+    """The engines in the train processes (pipeline.mode=colocated): each rank drives its engine share and loader;
+    the engine sleeps while the policy trains and wakes with the new weights. A batch's responses move to the ranks
+    that train them (exchange.deliver)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> None:
+        from megatron_dapo.rollout.vllm_env import rollout_tp
+
+        self.cfg, self.tokenizer, self.comm = cfg, tokenizer, comm
+        self.tp = rollout_tp(cfg)
+        self.parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
+        self.parts.engine.show_progress = cfg.trainer.progress_bar and comm.rank == 0
+        self._val_prompts: Optional[list[Prompt]] = None
+
+    def start(self) -> None:
+        """Nothing to hand over: the loader is this process's."""
+
+    def next_batch(self) -> StepBatch:
+        batch = self.parts.loader.next_batch()
+        self.parts.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
+        return batch
+
+    def responses(
+        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
+    ) -> tuple[dict[SampleId, Response], float]:
+        return deliver(
+            self.comm,
+            batch.groups,
+            batch.local,
+            owner_rank=lambda g: g.engine * self.tp,  # an engine's first rank holds its groups
+            wanted_by=wanted_by,
+        )
+
+    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
+        """The weights into this rank's engine (a sleeping engine wakes its weights for the update), then its KV
+        cache for the next rollout; the evaluation waits for held_out(), in this process."""
+        metrics = bridge.sync(self.parts.engine)
+        self.parts.engine.wake()
+        return metrics
+
+    def evaluate(
+        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
+    ) -> dict[str, float]:
+        return self.parts.held_out.evaluate(prompts, k, temperature, top_p, max_tokens)
+
+    def held_out(self) -> dict[str, float]:
+        from megatron_dapo.data.datasets import PromptDataset
+
+        if self._val_prompts is None:
+            self._val_prompts = list(PromptDataset.from_config(self.cfg.data, self.tokenizer, split="val"))
+        e = self.cfg.eval
+        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, self.cfg.eval_response_length())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.parts.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.parts.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.parts.close()
+
+
+def make_rollout(cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> Rollout:
+    """pipeline.mode's Rollout for this train rank (comm: the train world's): colocated, or the end of the
+    asynchronous rollout processes, which the launcher told this process where to meet (transport.py)."""
+    if cfg.pipeline.mode == "async":
+        from megatron_dapo.pipeline.remote import RemoteRollout
+        from megatron_dapo.pipeline.transport import Transport, transport_backend
+
+        return RemoteRollout(Transport.from_env(), comm.rank, cfg.pipeline.rollout_gpus, transport_backend(cfg))
+    return ColocatedRollout(cfg, tokenizer, dataset, comm)
