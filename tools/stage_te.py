@@ -47,7 +47,7 @@ from unittest import mock
 # as in tools/stage_gpu_wheels.py: offline_install from beside this script, the project from this checkout
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
-from offline_install.pieces import MIB, check_chunk, reassemble, write_pieces  # noqa: E402
+from offline_install.pieces import MIB, check_chunk, load_manifest, reassemble, write_pieces  # noqa: E402
 
 from megatron_dapo.cli import argument_parser  # noqa: E402
 
@@ -215,10 +215,7 @@ def split(src: Path, out: Path, files: list[Path], piece_bytes: int, meta: dict)
 
 
 def load(pieces: Path) -> dict:
-    path = pieces / "manifest.json"
-    if not path.is_file():
-        raise SystemExit(f"{path} is missing: expected the pieces folder that `split` wrote (part_NN + manifest.json)")
-    return json.loads(path.read_text())
+    return load_manifest(pieces, "expected the pieces folder that `split` wrote (part_NN + manifest.json)")
 
 
 def check_layout(manifest: dict, pieces: Path) -> list[str]:

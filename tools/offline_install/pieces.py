@@ -93,12 +93,13 @@ def write_pieces(src: Path, out: Path, files: list[Path], piece_bytes: int, meta
     return manifest
 
 
-def load_manifest(stage: Path) -> dict:
+def load_manifest(
+    stage: Path, expected: str = "run `python tools/stage_gpu_wheels.py stage` on the login node and copy it"
+) -> dict:
+    """stage/manifest.json; a missing one is one error line saying what was expected there."""
     path = stage / "manifest.json"
     if not path.is_file():
-        raise SystemExit(
-            f"{path} is missing: run `python tools/stage_gpu_wheels.py stage` on the login node and copy it"
-        )
+        raise SystemExit(f"{path} is missing: {expected}")
     return json.loads(path.read_text())
 
 
