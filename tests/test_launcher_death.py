@@ -252,12 +252,16 @@ def _kill_launcher_then_resume(
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - killed_at < 10
     saved = _newest_complete(run)
-    assert 1 <= saved < total and (run / LOCK_NAME).is_file()  # the killed writer could not release it
+    assert 1 <= saved < total
+    # Rank 0 either went with its own watch (os._exit: the lock stays, for the relaunch to take over) or first saw a
+    # peer gone and left through its `finally` (the lock released): which one comes first is a race.
+    left = (run / LOCK_NAME).is_file()
 
     again = subprocess.run([*cmd, "trainer.resume=true"], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
     assert f"resumed from step {saved}" in again.stderr
-    assert "took over the writer lock of pid " in again.stderr and "(it is not running on this host)" in again.stderr
+    took_over = "took over the writer lock of pid " in again.stderr
+    assert took_over == left and (not left or "(it is not running on this host)" in again.stderr), again.stderr[-3000:]
     assert [m["step"] for m in metrics(run)] == [float(k) for k in range(1, total + 1)]  # each step once
     assert not (run / LOCK_NAME).exists()  # released at the clean exit
     return again.stderr
