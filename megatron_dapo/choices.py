@@ -18,6 +18,16 @@ proportional to the excess over a soft maximum."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The per-token estimators of KL(pi || pi_ref) (algorithm/kl.py)."""
 
+POLICY_LOSSES = ("dapo", "gspo", "gspo_token", "cispo")
+"""algorithm.policy_loss: the objective (algorithm/objectives.py): DAPO's token-level decoupled clip, GSPO's
+sequence-level ratio and clip (Zheng et al. 2025) and its per-token variant, CISPO's clipped, stop-gradient
+importance weight on every token's log-likelihood (MiniMax-M1)."""
+
+ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask", "icepop", "none")
+"""algorithm.rollout_correction: how the rollout engine's policy differing from the trainer's is corrected
+(algorithm/rollout_correction.py): truncated IS per token or per sequence, masking tokens or sequences whose ratio
+leaves the bounds, IcePop's two-sided token masking, or nothing."""
+
 LOSS_IMPLS = ("auto", "reference", "fused")
 """algorithm.loss_impl: the fused Triton kernel, the PyTorch reference, or fused on CUDA tensors."""
 

@@ -176,7 +176,7 @@ def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> Non
 
     fresh = [m for m in history if "reward/mean" in m]  # steps trained on carried-over groups generate nothing
     steps = [m["step"] for m in fresh]
-    mismatch = [m for m in fresh if "rollout/tis_capped_frac" in m]
+    mismatch = [m for m in fresh if "rollout/corrected_frac" in m]
     if mismatch:
         fig, (ax, mis_ax) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=[3, 2])
     else:
@@ -193,7 +193,7 @@ def plot(history: list[dict], evals: list[tuple[int, float]], path: Path) -> Non
         ms = [m["step"] for m in mismatch]
         mis_ax.plot(ms, [m["rollout/logp_mismatch_mean"] for m in mismatch], label="mean |logp rollout - train|")
         mis_ax.plot(ms, [m["rollout/kl"] for m in mismatch], label="KL(rollout || train), k3")
-        mis_ax.plot(ms, [m["rollout/tis_capped_frac"] for m in mismatch], label="tokens with IS weight capped")
+        mis_ax.plot(ms, [m["rollout/corrected_frac"] for m in mismatch], label="tokens capped or masked")
         mis_ax.set_yscale("symlog", linthresh=1e-5)  # a step with no capped token stays on the plot
         mis_ax.grid(alpha=0.3)
         mis_ax.legend(loc="upper right", fontsize=8)

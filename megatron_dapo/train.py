@@ -153,8 +153,8 @@ def progress_line(m: dict[str, Any]) -> str:
         )
     else:  # a step trained entirely on groups carried over from the last one
         rollout = f"no generation: {int(m['sampler/batch_groups'])} carried-over groups"
-    if "rollout/tis_capped_frac" in m:  # truncated IS on (FP8 rollouts, partial rollout): how far off the rollouts are
-        rollout += f" | kl {m['rollout/kl']:.1e} capped {m['rollout/tis_capped_frac']:.2%}"
+    if "rollout/corrected_frac" in m:  # a rollout correction on (FP8 rollouts, partial rollout): how far off they are
+        rollout += f" | kl {m['rollout/kl']:.1e} corrected {m['rollout/corrected_frac']:.2%}"
     if m.get("staleness/max"):  # partial rollout: some trained tokens were sampled versions ago
         rollout += f" | stale max {int(m['staleness/max'])} p99 {int(m['staleness/p99'])}"
     if "actor/kl" in m:  # KL to the reference policy (algorithm.kl_coef > 0)

@@ -216,13 +216,14 @@ class Trainer:
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Rollout-vs-training mismatch over the step's tokens on every rank (each DP rank's slice counted once):
-        mean |logp difference|, KL (k3) and, with truncated IS on, the fraction of capped weights."""
-        cap = self.cfg.tis_cap()
+        mean |logp difference|, KL (k3) and, with a rollout correction on, the share of tokens (and responses) it
+        capped or masked."""
+        correction = self.cfg.rollout_correction()
         total = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
         if self._counts_once():  # pairs is empty before the last stage
             for old, rollout in pairs:
-                total += rollout_mismatch_sums(old, rollout, cap, self.cfg.algorithm.log_ratio_clamp)
-        return mismatch_metrics(self._sum_once(total), cap)
+                total += rollout_mismatch_sums(old, rollout, correction, self.cfg.algorithm.log_ratio_clamp)
+        return mismatch_metrics(self._sum_once(total), correction)
 
     def _kl_in_reward(
         self, groups: list[GroupMeta], ids: list[SampleId], samples: list[TrainSample], rewards: torch.Tensor

@@ -73,7 +73,7 @@ def random_batch(n: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
     """n samples of seq tokens each (prompt 2..11, the rest response), advantages, fixed old-logp noise.
 
     noise [R]: the worker's old_logp is the policy's logprobs + noise, so a first step's ratio is exp(-noise).
-    rollout_offset [R]: with algorithm.tis_cap set, rollout_logp = old_logp + rollout_offset, so the truncated-IS
+    rollout_offset [R]: with a rollout correction on, rollout_logp = old_logp + rollout_offset, so the truncated-IS
     weight is min(exp(-rollout_offset), cap).
     """
     g = torch.Generator().manual_seed(seed)

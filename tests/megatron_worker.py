@@ -7,7 +7,7 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - train: old logprobs (offset by the batch's fixed noise, so clipping happens), one
   train step, then this stage's TP-gathered gradients and updated weights and the metrics, and which of its
   TP-replicated tensors (norms; Qwen3's q/k norms) differ between the TP ranks after the step;
-  with algorithm.tis_cap set, rollout logprobs too: old logprobs + the batch's rollout_offset;
+  with a rollout correction on, rollout logprobs too: old logprobs + the batch's rollout_offset;
 - steps: --steps on-policy train steps; response logprobs before and after.
 - bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
   memory the sync added (VmHWM reset before it, against VmRSS before it). BRIDGE_FORMAT names the
@@ -172,9 +172,10 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         if first is not None:  # the last pipeline stage computes the loss
             for i, s in enumerate(samples):
                 s.old_logp = first[i]["logp"] + mine[i]["noise"]
-                if cfg.tis_cap() is not None:  # truncated-IS weights min(exp(-rollout_offset), cap)
+                if cfg.rollout_correction().mode != "none":  # weights from w = exp(-rollout_offset)
                     s.rollout_logp = s.old_logp + mine[i]["rollout_offset"]
         result["metrics"] = policy.train_step(samples, args.temperature)
+        result["packed"] = policy.packed
         result["grads"] = tp_gathered_tensors(policy.model, arch, layout, grads=True)
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)
         result["replicas"], result["replicas_differ"] = tp_replicas_differ(policy, arch)

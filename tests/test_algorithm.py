@@ -16,13 +16,10 @@ from megatron_dapo.algorithm import (
     kl_penalized_rewards,
     loss_metrics,
     loss_normalizer,
-    mismatch_metrics,
     overlong_filter_mask,
     policy_loss,
     reduce_stats,
-    rollout_mismatch_sums,
     soft_overlong_punishment,
-    truncated_is_weight,
 )
 from megatron_dapo.choices import KL_ESTIMATORS
 
@@ -464,65 +461,6 @@ def test_bf16_inputs_computed_in_float32(seed):
     assert float(out.loss_sum.detach()) == pytest.approx(total, rel=0, abs=tol)
     # the float32 gradient rounded once to bf16 (8 significant bits): within half a bf16 ulp, 2^-9, of the reference
     torch.testing.assert_close(lp16.grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=2**-8, atol=1e-12)
-
-
-def test_truncated_is_weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    old_logp = -torch.rand(4, 6, generator=g) * 3
-    rollout_logp = old_logp + torch.randn(4, 6, generator=g)
-    w = truncated_is_weight(old_logp, rollout_logp, cap=2.0)
-    for i in range(4):
-        for j in range(6):
-            want = min(math.exp(float(old_logp[i, j]) - float(rollout_logp[i, j])), 2.0)
-            assert float(w[i, j]) == pytest.approx(want, rel=1e-5)
-    logp, _, adv, mask = random_batch(seed + 1, b=4, t=6)
-    mask &= ~near_bound(logp, old_logp)
-    out, grad = run_loss(logp, old_logp.double(), adv, mask, is_weight=w)
-    total, n, ref_grad, tol = ref_policy_loss(
-        logp.tolist(), old_logp.double().tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, w=w.double().tolist()
-    )
-    assert float(out.loss_sum) == pytest.approx(total, rel=0, abs=tol)
-    torch.testing.assert_close(grad.double(), torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="cap"):
-        truncated_is_weight(old_logp, rollout_logp, cap=0.0)
-
-
-def test_rollout_mismatch_against_float64_reference(seed):
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(1, 400, (), generator=g))
-    old = -torch.rand(n, generator=g) * 5
-    rollout = old + torch.randn(n, generator=g) * 0.5
-    rollout[0] = old[0] - 60.0  # a huge ratio: the log-ratio is clamped at 20 before exp()
-    for cap in (None, 2.0, 1.0):
-        sums = rollout_mismatch_sums(old, rollout, cap)
-        abs_sum = kl = capped = 0.0
-        for a, b in zip(old.tolist(), rollout.tolist()):
-            d = max(-20.0, min(20.0, a - b))  # log w, w = pi_train / pi_rollout
-            abs_sum += abs(d)
-            kl += (math.exp(d) - 1.0) - d
-            capped += cap is not None and math.exp(d) > cap
-        assert sums.dtype == torch.float64 and sums.tolist()[3] == n
-        assert sums.tolist()[:3] == pytest.approx([abs_sum, kl, capped], rel=1e-9)
-        m = mismatch_metrics(sums, cap)
-        assert m["rollout/logp_mismatch_mean"] == pytest.approx(abs_sum / n) and m["rollout/kl"] == pytest.approx(
-            kl / n
-        )
-        assert ("rollout/tis_capped_frac" in m) == (cap is not None)
-        if cap is not None:
-            assert m["rollout/tis_capped_frac"] == pytest.approx(capped / n)
-    # k3 is >= 0 per token, and 0 exactly where the two policies agree
-    assert rollout_mismatch_sums(old, old, 2.0).tolist() == [0.0, 0.0, 0.0, float(n)]
-    empty = rollout_mismatch_sums(torch.zeros(0), torch.zeros(0), 2.0)
-    assert empty.tolist() == [0.0, 0.0, 0.0, 0.0]
-    assert mismatch_metrics(empty, 2.0) == {
-        "rollout/logp_mismatch_mean": 0.0,
-        "rollout/kl": 0.0,
-        "rollout/tis_capped_frac": 0.0,
-    }
-    with pytest.raises(ValueError, match="must be the same \\[N\\]"):
-        rollout_mismatch_sums(torch.zeros(3), torch.zeros(4))
-    with pytest.raises(ValueError, match="must be the same \\[N\\]"):
-        rollout_mismatch_sums(torch.zeros(2, 3), torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

@@ -111,12 +111,64 @@ def test_fp8_rollouts_turn_truncated_is_on_unless_told_otherwise():
     assert load_config(overrides=["rollout.quantization=fp8"]).tis_cap() == 2.0
     assert load_config(overrides=["rollout.quantization=fp8", "rollout.quantization_tis_cap=3"]).tis_cap() == 3.0
     assert load_config(overrides=["rollout.quantization=fp8", "algorithm.tis_cap=1.5"]).tis_cap() == 1.5
-    assert load_config(overrides=["rollout.quantization=fp8", "rollout.quantization_tis_cap=null"]).tis_cap() is None
     assert load_config(overrides=["rollout.quantization_tis_cap=3"]).tis_cap() is None  # only with FP8
-    # partial rollout needs a cap: FP8's default cap is one
+    # FP8 rollouts and partial rollout need a correction: FP8's default cap is one
     load_config(overrides=["sampler.partial_rollout=true", "rollout.quantization=fp8"])
-    with pytest.raises(ConfigError, match="algorithm.tis_cap=None: expected a cap"):
-        load_config(overrides=["sampler.partial_rollout=true"])
+    for needs in ("sampler.partial_rollout=true", "rollout.quantization=fp8"):
+        with pytest.raises(ConfigError, match=f"algorithm.tis_cap=None: expected a correction .* with {needs}"):
+            load_config(overrides=[needs, "rollout.quantization_tis_cap=null"])
+        with pytest.raises(ConfigError, match=f"algorithm.rollout_correction='none': expected a correction .*{needs}"):
+            load_config(overrides=[needs, "algorithm.rollout_correction=none"])
+        load_config(overrides=[needs, "rollout.quantization_tis_cap=null", "algorithm.rollout_correction=icepop"])
+
+
+def test_the_rollout_correction_in_force_and_its_bounds():
+    """null: token_tis with a cap in force, else none; each mode with its own bounds; the *_tis modes need a cap."""
+    def correction(*overrides):
+        return tuple(load_config(overrides=list(overrides)).rollout_correction())
+
+    assert correction() == ("none", None, None)  # the paper: no rollout correction
+    assert correction("algorithm.tis_cap=1.5") == ("token_tis", None, 1.5)
+    assert correction("rollout.quantization=fp8") == ("token_tis", None, 2.0)
+    assert correction("algorithm.rollout_correction=seq_tis", "algorithm.tis_cap=3") == ("seq_tis", None, 3.0)
+    assert correction("algorithm.rollout_correction=token_mask") == ("token_mask", 0.5, 2.0)
+    assert correction("algorithm.rollout_correction=seq_mask", "algorithm.rollout_mask_high=1.5") == (
+        "seq_mask", 0.5, 1.5)  # fmt: skip
+    assert correction("algorithm.rollout_correction=icepop") == ("icepop", 0.5, 5.0)
+    assert correction("algorithm.rollout_correction=none", "algorithm.tis_cap=2") == ("none", None, None)
+    with pytest.raises(ConfigError, match="algorithm.tis_cap=None: expected a cap > 0 .*rollout_correction=seq_tis"):
+        load_config(overrides=["algorithm.rollout_correction=seq_tis"])
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["algorithm.policy_loss=ppo"], "algorithm.policy_loss='ppo': expected one of ('dapo', 'gspo', "),
+        (["algorithm.rollout_correction=clip"], "algorithm.rollout_correction='clip': expected one of ("),
+        (["algorithm.policy_loss=gspo", "algorithm.loss_impl=fused"], "algorithm.loss_impl='fused': expected 'auto' "
+         "or 'reference' with policy_loss='gspo'"),
+        (["algorithm.policy_loss=cispo", "algorithm.dual_clip_c=3"], "algorithm.dual_clip_c=3.0: expected null with "
+         "policy_loss='cispo'"),
+        (["algorithm.icepop_high=0.4"], "algorithm.icepop_high=0.4: expected a ratio above algorithm.icepop_low=0.5"),
+        (["algorithm.rollout_mask_low=-1"], "algorithm.rollout_mask_low=-1.0: expected a ratio >= 0"),
+        (["algorithm.gspo_eps_low=1"], "algorithm.gspo_eps_low=1.0: expected a value in [0, 1)"),
+        (["algorithm.eps_low_is=2"], "algorithm.eps_low_is=2.0: expected a value in [0, 1], or null"),
+        (["parallel.cp=2", "algorithm.policy_loss=gspo"], "parallel.cp=2: expected 1 with algorithm.policy_loss=gspo"),
+        (["parallel.cp=2", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.policy_loss=gspo_token"],
+         "parallel.cp=2: expected 1 with algorithm.loss_agg_mode=seq-mean-token-mean and policy_loss=gspo_token"),
+    ],
+)
+def test_objective_and_correction_settings_that_cannot_run_are_refused(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert needle in str(e.value)
+
+
+def test_each_objective_reads_its_own_bounds():
+    assert load_config().algorithm.clip_bounds() == (0.2, 0.28)
+    assert load_config(overrides=["algorithm.policy_loss=gspo"]).algorithm.clip_bounds() == (3e-4, 4e-4)
+    assert load_config(overrides=["algorithm.policy_loss=gspo_token"]).algorithm.clip_bounds() == (3e-4, 4e-4)
+    assert load_config(overrides=["algorithm.policy_loss=cispo"]).algorithm.clip_bounds() == (None, 4.0)
 
 
 def test_engines_run_in_lockstep_unless_async_already_depends_on_timing():

@@ -162,8 +162,31 @@ def test_the_examples_are_these():
             "dapo_math_qwen3_32b.yaml",
             "seed_notes_qwen2.5_7b.yaml",
             "grpo_kl_ablation.yaml",
+            "gspo_math_qwen3_8b.yaml",
+            "cispo_math_qwen3_8b.yaml",
         ]
     )
+
+
+@pytest.mark.parametrize(
+    "name, objective",
+    [
+        ("gspo", {"policy_loss": "gspo", "gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4,
+                  "loss_agg_mode": "seq-mean-token-mean"}),
+        ("cispo", {"policy_loss": "cispo", "eps_low_is": None, "eps_high_is": 4.0, "loss_agg_mode": "token-mean"}),
+    ],
+)  # fmt: skip
+def test_the_objective_examples_change_only_the_objective(name, objective):
+    """GSPO's and CISPO's examples are the Qwen3-8B DAPO example with the papers' objective settings (GSPO's clip
+    range and per-response mean; CISPO's cap of 5 and no lower bound) and nothing else changed."""
+    dapo = dataclasses.asdict(load_config(REPO / "examples" / "dapo_math_qwen3_8b.yaml"))
+    other = dataclasses.asdict(load_config(REPO / "examples" / f"{name}_math_qwen3_8b.yaml"))
+    assert {k: other["algorithm"][k] for k in objective} == objective
+    for tree in (dapo, other):
+        tree["trainer"].pop("run_dir")
+        for k in objective:
+            tree["algorithm"].pop(k)
+    assert other == dapo
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

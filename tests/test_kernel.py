@@ -462,6 +462,16 @@ def test_the_registered_losses_agree(mode, seed):
     }[mode]
     assert ref.normalizer.item() == float(want)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    # packed: the three responses back to back in one row, told apart by the sequence index (the empty one counted)
+    seq = torch.arange(3)[:, None].expand(mask.shape).reshape(1, -1)
+    logp = batch["logp"].reshape(1, -1).clone().requires_grad_(True)
+    flat = {k: batch[k].reshape(1, -1) for k in ("old_logp", "advantages", "mask", "is_weight")}
+    kw |= {"is_weight": flat["is_weight"], "seq_index": seq}
+    out = policy_loss_fn("fused")(logp, flat["old_logp"], flat["advantages"], flat["mask"], normalizer=normalizer, **kw)
+    (out.loss_sum / normalizer).backward()
+    torch.testing.assert_close(out.loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-5)
+    assert out.normalizer.item() == ref.normalizer.item()
+    torch.testing.assert_close(logp.grad.reshape(mask.shape), ref_grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("est", KL_ESTIMATORS)

@@ -23,6 +23,7 @@ from run_helpers import comparable, metrics, python_path, same_up_to_fp32_sums, 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.launch.ray_cluster import Slot, forwarded_env, node_devices, slots_for, world_env
 from megatron_dapo.launch.slurm import sbatch_command, shell_line
+from megatron_dapo.launch.writer_lock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -305,9 +306,9 @@ def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resume
     """pipeline.mode=async on the Ray cluster: one rollout worker and one train worker, each on a node of its own,
     meeting at the rollout node's ports. SIGTERM to the launcher once step 1 is saved: the train side saves the step
     in flight and stops the controller, every worker exits 0, so does the launcher. The next launch's driver is
-    killed -9 once its trainers resumed: within 30 s no trainer of the run is left (found by its command line, as
-    orphans are adopted by init). The third launch takes the dead trainer's writer lock over, resumes and finishes,
-    each step once. At eta = 0 its steps are two_steps' one-process steps."""
+    killed -9 once its trainer took the run directory's lock: within 30 s no trainer of the run is left (found by
+    its command line, as orphans are adopted by init). The third launch takes the dead trainer's writer lock over
+    (where it was left), resumes and finishes, each step once. At eta = 0 its steps are two_steps' one-process steps."""
     overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
     split = ["pipeline.mode=async", "sampler.max_staleness=0", "trainer.total_steps=3", f"trainer.run_dir={run}"]
@@ -326,17 +327,18 @@ def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resume
     # the next driver killed -9 once its trainers run: Ray ends the job's actors, and each trainer dies with its actor
     out2 = tmp_path / "launch2.out"
     proc = _launch_ray(ray_cluster, out2, *args)
-    wait_until(lambda: "resumed from step 2" in out2.read_text(), what="the trainers resumed", proc=proc)
+    wait_until(lambda: "starting: config" in out2.read_text(), what="the trainer took the lock", proc=proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_until(lambda: not _trainers(run), timeout=30, what="no trainer of the killed driver's job left")
     assert not (run / "checkpoints" / "step_00000003").exists()
+    left = (run / LOCK_NAME).is_file()  # killed with its actor (the lock stays), or out through its `finally` first
 
     out3 = tmp_path / "launch3.out"
     proc = _launch_ray(ray_cluster, out3, *args)
     text = _ray_finished(proc, out3, run)
     assert proc.returncode == 0 and "resumed from step 2" in text, text[-4000:]
-    assert "took over the writer lock of pid " in text  # the killed job's trainer could not release it
+    assert ("took over the writer lock of pid " in text) == left  # a lock the killed job's trainer left is taken over
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0] and (run / "FINISHED").read_text().strip() == "3"
     assert all(m["weight_transport/gb"] > 0 for m in lines)

@@ -46,6 +46,10 @@ DR_GRPO = [
     f"rollout.max_response_length={DR_GRPO_MAX_RESPONSE}",
     "algorithm.overlong_buffer_len=8",  # within the limit (the default 4096 is the paper's, for 20480)
 ]
+GSPO = ["algorithm.policy_loss=gspo", "algorithm.gspo_eps_low=0.0002", "algorithm.gspo_eps_high=0.05",
+        "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_correction=seq_tis", "algorithm.tis_cap=1.1"]
+CISPO = ["algorithm.policy_loss=cispo", "algorithm.eps_high_is=0.25", "algorithm.rollout_correction=icepop",
+         "algorithm.icepop_low=0.6", "algorithm.icepop_high=1.6"]  # fmt: skip
 FAR_EPS = 0.1  # a checkpoint's rms_norm_eps far from the tiny models' 1e-6 (and Megatron's default 1e-5)
 
 
@@ -98,6 +102,8 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
         "dp2-mb2": train(2, budget(2), no_distopt),  # 2 DP ranks x 2 micro-batches each
         "nan": Job(1, case, ("--mode", "nan")),
         "dr-grpo": train(1, budget(4), *DR_GRPO),  # 2 micro-batches, each divided by the mini-batch's constant
+        "gspo": train(1, budget(4), *GSPO),  # 2 micro-batches, each a packed row of 4 responses
+        "cispo": train(1, budget(4), *CISPO),
         "far-eps": Job(
             1, save_case(tiny_hf_model("qwen2", rms_norm_eps=FAR_EPS), batch, root / "far-eps"), ("--mode", "logprobs")
         ),
@@ -114,7 +120,14 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
 
 
 def dapo_float64(
-    model, batch: list[dict], tis_cap: float | None = None, dr_grpo_max_response: int | None = None
+    model,
+    batch: list[dict],
+    tis_cap: float | None = None,
+    dr_grpo_max_response: int | None = None,
+    objective: str = "dapo",
+    bounds: tuple[float | None, float] = (EPS_LOW, EPS_HIGH),
+    seq_mean: bool = False,
+    weight=None,
 ) -> dict:
     """The worker's first train step, written out in float64 on transformers' model.
 
@@ -125,21 +138,34 @@ def dapo_float64(
     clip_low / clip_high as (tokens surely clipped, tokens within NEAR_BOUND of the bound), and grads / weights
     under Hugging Face names. dr_grpo_max_response: seq-mean-token-sum-norm (Dr. GRPO): the token losses' sum divided
     by every response of the mini-batch (in the loss or not) x this configured length limit, not by the tokens.
+    objective 'gspo': the response's ratio exp(mean log r) clipped at bounds; 'cispo': -sg(min(r, 1 + bounds[1]))
+    A logp per token (no lower bound). seq_mean: each response's token mean, then the mean over responses.
+    weight(sample) -> [R]: rollout-correction weights per token (tis_cap: min(exp(-rollout_offset), tis_cap)).
     """
+    low, high = bounds
+    if tis_cap is not None:
+        def weight(b):  # noqa: E306 (old_logp - rollout_logp = -rollout_offset)
+            return torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
+
     hf = copy.deepcopy(model).double()
     kept = [b for b in batch if b["in_loss"]]  # an overlong-filtered response is out of the loss and of its count
     tokens = sum(len(b["response"]) for b in kept)
     divisor = tokens if dr_grpo_max_response is None else len(batch) * dr_grpo_max_response
+    divisor = len(kept) if seq_mean else divisor
     loss = torch.zeros((), dtype=torch.float64)
     ratios, advantages, entropies = [], [], []
     for b in kept:
         logp, entropy = hf_response_logprobs(hf, b, TEMPERATURE)
-        ratio = torch.exp(logp - (logp.detach() + b["noise"].double()))
+        log_ratio = logp - (logp.detach() + b["noise"].double())
+        ratio = torch.exp(log_ratio.mean()).expand(len(logp)) if objective == "gspo" else torch.exp(log_ratio)
         adv = b["advantage"]
-        token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
-        if tis_cap is not None:  # old_logp - rollout_logp = -rollout_offset
-            token_loss = token_loss * torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
-        loss = loss + token_loss.sum() / divisor
+        if objective == "cispo":
+            token_loss = -ratio.detach().clamp(max=1 + high) * adv * logp
+        else:
+            token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+        if weight is not None:
+            token_loss = token_loss * weight(b)
+        loss = loss + (token_loss.mean() if seq_mean else token_loss.sum()) / divisor
         ratios.append(ratio.detach())
         advantages.append(torch.full_like(logp, adv).detach())
         entropies.append(entropy)
@@ -151,6 +177,9 @@ def dapo_float64(
         near = (r.log() - math.log(bound)).abs() < NEAR_BOUND
         return int((sign & past & ~near).sum()), int((sign & near).sum())
 
+    anyway = torch.ones_like(adv, dtype=torch.bool)  # CISPO caps the weight whatever the advantage's sign
+    clip_low = (0, 0) if low is None else clipped(adv < 0, r < 1 - low, 1 - low)
+    clip_high = clipped(anyway if objective == "cispo" else adv > 0, r > 1 + high, 1 + high)
     grads = {n: p.grad for n, p in hf.named_parameters()}
     grad_norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
     scale = min(1.0, CLIP_GRAD / (grad_norm + 1e-6))  # Megatron's clip_grad_norm
@@ -166,8 +195,8 @@ def dapo_float64(
         "ratio_mean": float(r.mean()),
         "approx_kl": float((r - 1 - r.log()).mean()),
         "entropy": float(torch.cat(entropies).mean()),
-        "clip_low": clipped(adv < 0, r < 1 - EPS_LOW, 1 - EPS_LOW),
-        "clip_high": clipped(adv > 0, r > 1 + EPS_HIGH, 1 + EPS_HIGH),
+        "clip_low": clip_low,
+        "clip_high": clip_high,
         "grad_norm": grad_norm,
         "grads": grads,
         "weights": weights,
@@ -273,6 +302,34 @@ def test_dr_grpo_step_divides_by_the_configured_length_limit(model, batch, arch,
     want = dapo_float64(model, batch, dr_grpo_max_response=DR_GRPO_MAX_RESPONSE)
     assert want["normalizer"] == len(batch) * DR_GRPO_MAX_RESPONSE != want["tokens"]
     assert_matches_float64(want, result(ran, "dr-grpo"), arch, "Dr. GRPO")
+
+
+def test_gspo_and_cispo_steps_on_packed_rows_match_float64_transformers(model, batch, arch, ran):
+    """The objectives and two rollout corrections end to end, two micro-batches of packed rows each: GSPO's ratio (the
+    geometric mean of a response's token ratios) clipped at its own bounds, each response's mean then the mean over
+    responses, the responses weighted by seq_tis (min(W, 1.1), W the geometric mean of exp(-rollout_offset)); CISPO's
+    detached weight min(r, 1.25) on every token's logp, the tokens weighted by IcePop (w in [0.6, 1.6], else 0). A
+    ratio summed over a packed row instead of one response, a weight taken per token, or the objective's bounds read
+    from DAPO's keys all fail."""
+    def seq_tis(b):
+        return torch.exp(-b["rollout_offset"].double().mean()).clamp(max=1.1).expand(len(b["response"]))
+
+    def icepop(b):
+        w = torch.exp(-b["rollout_offset"].double())
+        return torch.where((w >= 0.6) & (w <= 1.6), w, torch.zeros_like(w))
+
+    runs = {
+        "gspo": dapo_float64(model, batch, objective="gspo", bounds=(0.0002, 0.05), seq_mean=True, weight=seq_tis),
+        "cispo": dapo_float64(model, batch, objective="cispo", bounds=(None, 0.25), weight=icepop),
+    }
+    weights = torch.cat([torch.exp(-b["rollout_offset"]) for b in batch if b["in_loss"]])
+    assert ((weights < 0.6) | (weights > 1.6)).any()  # IcePop masks some tokens
+    assert any(float(seq_tis(b)[0]) == 1.1 for b in batch if b["in_loss"])  # seq_tis caps some responses
+    for name, want in runs.items():
+        got = result(ran, name)
+        assert got["packed"], name
+        assert want["clip_high"][0] > 0 and (name == "cispo" or want["clip_low"][0] > 0), name
+        assert_matches_float64(want, got, arch, name)
 
 
 def test_a_checkpoints_rms_norm_eps_reaches_megatron(batch, ran):

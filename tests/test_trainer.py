@@ -190,7 +190,7 @@ def test_two_rollout_steps_end_to_end(two_steps):
         assert all(math.isfinite(v) for v in m.values())
         # vLLM and Megatron agree, both at rollout.temperature (1.0; eval.temperature is 0.6 here)
         assert m["weight_sync/buckets"] >= 1 and m["rollout/logp_mismatch_mean"] < 1e-3
-        assert 0 <= m["rollout/kl"] < 1e-6 and "rollout/tis_capped_frac" not in m  # truncated IS is off
+        assert 0 <= m["rollout/kl"] < 1e-6 and "rollout/corrected_frac" not in m  # no rollout correction
     assert lines[1]["trainer/optimizer_steps"] == 4
     # KL in the reward: step 1 samples from the reference itself (exactly 0), step 2 from weights trained twice
     assert lines[0]["actor/kl"] == 0.0 and lines[0]["actor/reward_kl_penalty"] == 0.0
@@ -257,10 +257,10 @@ def test_nan_losses_stop_the_run_which_resumes_with_fp8_rollouts(two_steps, tmp_
     assert m["rollout/logp_mismatch_mean"] > 1e-3 and m["rollout/kl"] > 0  # the FP8 rounding shows
     # the only update starts from the weights that sampled: old_logp is the policy's own (ratio 1), not the engine's
     assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and m["actor/approx_kl"] == pytest.approx(0, abs=1e-9)
-    assert 0 < m["rollout/tis_capped_frac"] < 1
+    assert 0 < m["rollout/corrected_frac"] < 1
     assert m["weight_sync/quantize_seconds"] > 0
     assert m["actor/kl"] != 0 and "timing/ref_logp" in m  # step 3 of two_steps' run: the reference came back too
-    assert f"capped {m['rollout/tis_capped_frac']:.2%}" in proc.stdout
+    assert f"corrected {m['rollout/corrected_frac']:.2%}" in proc.stdout
 
 
 @pytest.mark.slow

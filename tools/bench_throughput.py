@@ -177,7 +177,7 @@ def _rollout(engine, policy, vocab: int, args, devices: int, engines: int) -> di
     if policy_logp is not None:
         pairs = [(lp["logp"], torch.tensor(r.logprobs)) for lp, r in zip(policy_logp, (r for g in out for r in g))]
         sums = sum(rollout_mismatch_sums(a, b) for a, b in pairs)
-        m = mismatch_metrics(sums, None)
+        m = mismatch_metrics(sums)
         mismatch = {
             "rollout_logp_mismatch_mean": float(f"{m['rollout/logp_mismatch_mean']:.3g}"),
             "rollout_kl": float(f"{m['rollout/kl']:.3g}"),

@@ -1,25 +1,32 @@
-"""The policy-loss registry: algorithm.loss_impl -> the function that computes the loss, resolved once at start-up.
+"""The policy-loss registry: algorithm.policy_loss (the objective) -> its implementations, resolved once at start-up.
 
-Both take (logp, old_logp, advantages, mask) and the keywords eps_low, eps_high, dual_clip_c, is_weight,
-loss_agg_mode, log_ratio_clamp, max_response_length, normalizer, ref_logp, kl_coef and kl_estimator, and return
-the same PolicyLoss (shapes in policy_loss.py), for every aggregation:
-- 'reference': policy_loss.py's PyTorch code;
-- 'fused': the Triton kernel (megatron_dapo.kernels), which sums token losses: every mode but seq-mean-token-mean
-  is that sum over its own divisor, and seq-mean-token-mean weighs each token by 1 / its response's valid tokens
-  (folded into the truncated-IS weight the kernel already reads; the KL term gets it as a weight of its own).
-  With `normalizer` (the mini-batch's global divisor) it writes the gradient in its forward pass. The reference
-  ignores `normalizer`: the result is the same.
-'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU), else 'reference'.
+Each objective has its reference implementation (policy_loss.py's PyTorch code) and, where the fused Triton kernel
+(megatron_dapo.kernels) computes it, a fused one. All take (logp, old_logp, advantages, mask) and the keywords
+eps_low, eps_high, dual_clip_c, is_weight, loss_agg_mode, log_ratio_clamp, max_response_length, normalizer,
+ref_logp, kl_coef, kl_estimator and seq_index, and return the same PolicyLoss (shapes in policy_loss.py), for every
+aggregation.
+- 'dapo' fused: the kernel sums token losses: every mode but seq-mean-token-mean is that sum over its own divisor,
+  and seq-mean-token-mean weighs each token by 1 / its response's valid tokens (folded into the rollout-correction
+  weight the kernel already reads; the KL term gets it as a weight of its own). With `normalizer` (the
+  mini-batch's global divisor) it writes the gradient in its forward pass. The reference ignores `normalizer`: the
+  result is the same.
+- 'gspo', 'gspo_token', 'cispo': the reference only (the kernel's clip is per token, and GSPO's ratio needs each
+  response's sum first).
+algorithm.loss_impl 'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU) and the
+objective has a fused implementation, else 'reference'.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_dapo.algorithm.policy_loss import PolicyLoss, loss_normalizer, policy_loss
-from megatron_dapo.choices import LOSS_IMPLS
+from megatron_dapo.algorithm.objectives import sequence_index, sequence_sum
+from megatron_dapo.algorithm.policy_loss import PolicyLoss, loss_normalizer, policy_loss, response_tokens
+from megatron_dapo.choices import LOSS_IMPLS, POLICY_LOSSES
 
 LossFn = Callable[..., PolicyLoss]
 
@@ -30,13 +37,14 @@ def _reference(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    objective: str,
     normalizer: Optional[Union[float, torch.Tensor]] = None,  # the fused gradient's alone: same result without it
     **kw,
 ) -> PolicyLoss:
-    return policy_loss(logp, old_logp, advantages, mask, **kw)
+    return policy_loss(logp, old_logp, advantages, mask, objective=objective, **kw)
 
 
-def _fused(
+def _fused_dapo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -45,41 +53,73 @@ def _fused(
     loss_agg_mode: str = "token-mean",
     max_response_length: Optional[int] = None,
     is_weight: Optional[torch.Tensor] = None,
+    seq_index: Optional[torch.Tensor] = None,
     **kw,
 ) -> PolicyLoss:
     from megatron_dapo.kernels import fused_policy_loss
 
-    tokens = mask.bool().sum(dim=1)
-    normalizer = loss_normalizer(tokens, loss_agg_mode, max_response_length)
+    mask = mask.bool()
+    normalizer = loss_normalizer(response_tokens(mask, seq_index), loss_agg_mode, max_response_length)
     kl_weight = None
     if loss_agg_mode == "seq-mean-token-mean":  # sum over tokens of l / (its response's tokens)
-        kl_weight = per_seq = (1.0 / tokens.clamp(min=1).float())[:, None].expand(mask.shape)
+        seq_tokens = sequence_sum(mask.float(), mask, sequence_index(mask, seq_index))
+        kl_weight = per_seq = torch.where(mask, 1.0 / seq_tokens.clamp(min=1.0), 0.0)
         is_weight = per_seq if is_weight is None else is_weight.detach().float() * per_seq
     out = fused_policy_loss(logp, old_logp, advantages, mask, is_weight=is_weight, kl_weight=kl_weight, **kw)
     return PolicyLoss(loss_sum=out.loss_sum, normalizer=normalizer.to(out.normalizer), stats=out.stats)
 
 
-POLICY_LOSSES: dict[str, LossFn] = {"reference": _reference, "fused": _fused}
+@dataclass(frozen=True)
+class Objective:
+    """An objective's implementations: the reference always, the fused kernel where it computes this objective."""
+
+    reference: LossFn
+    fused: Optional[LossFn] = None
 
 
-def resolve_loss_impl(impl: str, fused_runs_here: bool) -> str:
-    """algorithm.loss_impl -> 'reference' or 'fused' for this run. fused_runs_here: the kernel can run on this device
-    (megatron_dapo.kernels.fused_runs_on). Raises ValueError naming the field for an unknown name, and RuntimeError
-    for 'fused' where the kernel cannot run."""
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_policy_loss(name: str, reference: LossFn, fused: Optional[LossFn] = None) -> None:
+    """Make an objective available as algorithm.policy_loss=name (its allowed values live in choices.py)."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r}: add it to megatron_dapo.choices.POLICY_LOSSES first")
+    OBJECTIVES[name] = Objective(reference, fused)
+
+
+register_policy_loss("dapo", partial(_reference, objective="dapo"), _fused_dapo)
+for _name in ("gspo", "gspo_token", "cispo"):
+    register_policy_loss(_name, partial(_reference, objective=_name))
+
+
+def resolve_loss_impl(impl: str, fused_runs_here: bool, objective: str = "dapo") -> str:
+    """algorithm.loss_impl -> 'reference' or 'fused' for this run and objective. fused_runs_here: the kernel can run
+    on this device (megatron_dapo.kernels.fused_runs_on). Raises ValueError naming the field for an unknown name or
+    a 'fused' the objective does not have, and RuntimeError for 'fused' where the kernel cannot run."""
     if impl not in LOSS_IMPLS:
         raise ValueError(f"algorithm.loss_impl={impl!r}: expected one of {LOSS_IMPLS}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")
+    has_fused = OBJECTIVES[objective].fused is not None
     if impl == "reference":
         return "reference"
+    if impl == "fused" and not has_fused:
+        raise ValueError(f"algorithm.loss_impl='fused': the kernel does not compute policy_loss={objective!r}")
     if impl == "fused" and not fused_runs_here:
         raise RuntimeError(
             "algorithm.loss_impl='fused' needs CUDA tensors and triton, or TRITON_INTERPRET=1 to run the Triton "
             "kernel in the CPU interpreter (slow); on this CPU use algorithm.loss_impl='auto' or 'reference'"
         )
-    return "fused" if fused_runs_here else "reference"
+    return "fused" if fused_runs_here and has_fused else "reference"
 
 
-def policy_loss_fn(name: str) -> LossFn:
-    """The loss function registered under a resolved name ('reference' or 'fused')."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r}: expected one of {sorted(POLICY_LOSSES)} (resolve 'auto' first)")
-    return POLICY_LOSSES[name]
+def policy_loss_fn(name: str, objective: str = "dapo") -> LossFn:
+    """The objective's implementation under a resolved name ('reference' or 'fused')."""
+    if name not in ("reference", "fused"):
+        raise ValueError(f"policy loss implementation {name!r}: expected 'reference' or 'fused' (resolve 'auto' first)")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")
+    fn = getattr(OBJECTIVES[objective], name)
+    if fn is None:
+        raise ValueError(f"policy_loss={objective!r} has no {name} implementation")
+    return fn

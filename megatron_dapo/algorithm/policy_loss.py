@@ -1,16 +1,13 @@
-"""The DAPO policy loss (paper eq. 8): decoupled clip, token-level aggregation.
+"""The policy loss of a micro-batch: an objective's token losses (objectives.py), masked, weighted and aggregated.
 
-Per valid token, with r = exp(logp - old_logp) and the response's advantage A:
+Per valid token, with the objective's loss l_t (dapo, gspo, gspo_token or cispo: objectives.py has each formula):
 
-    l = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-    l = min(l, -c * A)            for A < 0, when dual clip c is set (verl's clip_ratio_c)
-    l = w * l                     when truncated-IS weights w are given
-    l = l + beta * k              with a KL term to a reference policy (kl.py's estimator k, no IS weight)
+    l_t = w_t * l_t               with rollout-correction weights w (rollout_correction.py), not differentiated
+    l_t = l_t + beta * k_t        with a KL term to a reference policy (kl.py's estimator k, no IS weight)
 
-The functions here return *sums* and the count to divide them by, never a mean: the
-token-mean must be taken over every valid token of the whole mini-batch, across
-micro-batches, pipeline stages and data-parallel ranks, and only the caller knows that
-count. All math is float32 whatever the input dtype.
+then aggregated by loss_agg_mode. The functions here return *sums* and the count to divide them by, never a mean:
+the token-mean must be taken over every valid token of the whole mini-batch, across micro-batches, pipeline stages
+and data-parallel ranks, and only the caller knows that count. All math is float32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +17,8 @@ from typing import Optional
 import torch
 
 from megatron_dapo.algorithm.kl import kl_estimate
-from megatron_dapo.choices import LOSS_AGG_MODES
+from megatron_dapo.algorithm.objectives import cispo_loss, dapo_loss, gspo_loss, sequence_index, sequence_sum
+from megatron_dapo.choices import LOSS_AGG_MODES, POLICY_LOSSES
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.loss_result import (  # the result both implementations return (the fused one too)
     STAT_KEYS,
@@ -51,41 +49,14 @@ def loss_normalizer(
     return (tokens > 0).sum().float()
 
 
-def token_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip_c: Optional[float] = None,
-    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate loss, no masking.
-
-    logp, old_logp, advantages: [...] (same shape; advantages already broadcast to tokens).
-    Returns (loss [...] float32, flags) with flags: ratio [...], clip_low/clip_high/clip_dual [...] bool.
-    The log-ratio is clamped to +-log_ratio_clamp so exp() stays finite; beyond it the
-    gradient is zero, where the clip would have stopped it anyway for A > 0.
-    """
-    adv = advantages.float()
-    log_ratio = (logp.float() - old_logp.float()).clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)  # -min(rA, clip(r)A)
-    flags = {
-        "ratio": ratio.detach(),
-        # where the clip is the active branch of the min: it zeroes the token's gradient
-        "clip_low": (adv < 0) & (ratio.detach() < 1.0 - eps_low),
-        "clip_high": (adv > 0) & (ratio.detach() > 1.0 + eps_high),
-    }
-    if dual_clip_c is not None:
-        cap = -adv * dual_clip_c  # > 0 where A < 0
-        flags["clip_dual"] = (adv < 0) & (loss.detach() > cap)
-        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
-    else:
-        flags["clip_dual"] = torch.zeros_like(flags["clip_low"])
-    return loss, flags
+def response_tokens(mask: torch.Tensor, seq_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[S] long: the valid tokens of each response, in the loss or not (0 then). mask: [B, T] bool; seq_index as
+    policy_loss takes it (None: one response a row)."""
+    if seq_index is None:
+        return mask.sum(dim=1)
+    on = seq_index >= 0
+    ids, which = torch.unique(seq_index[on], return_inverse=True)
+    return torch.zeros(len(ids), dtype=torch.long, device=mask.device).index_add_(0, which, mask[on].long())
 
 
 def policy_loss(
@@ -93,7 +64,7 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = AlgorithmConfig.eps_low,
+    eps_low: Optional[float] = AlgorithmConfig.eps_low,
     eps_high: float = AlgorithmConfig.eps_high,
     dual_clip_c: Optional[float] = AlgorithmConfig.dual_clip_c,
     is_weight: Optional[torch.Tensor] = None,
@@ -103,19 +74,29 @@ def policy_loss(
     ref_logp: Optional[torch.Tensor] = None,
     kl_coef: float = AlgorithmConfig.kl_coef,
     kl_estimator: str = AlgorithmConfig.kl_estimator,
+    seq_index: Optional[torch.Tensor] = None,
+    objective: str = AlgorithmConfig.policy_loss,
 ) -> PolicyLoss:
-    """The DAPO loss of one micro-batch, as a sum plus its normaliser (one row per response).
+    """The loss of one micro-batch, as a sum plus its normaliser.
 
     logp:       [B, T] current policy's response-token logprobs (fp32 or bf16), differentiable
     old_logp:   [B, T] logprobs of the policy that sampled (recomputed by the trainer)
-    advantages: [B] per response or [B, T] per token
+    advantages: [B] per row or [B, T] per token
     mask:       [B, T] bool/0-1, True on valid response tokens
-    is_weight:  [B, T] optional truncated-IS weights (see truncated_is_weight), not differentiated
+    objective:  algorithm.policy_loss; eps_low / eps_high are its bounds (AlgorithmConfig.clip_bounds): DAPO's
+                eps_low / eps_high, GSPO's gspo_eps_low / gspo_eps_high, CISPO's eps_low_is (None: no lower
+                bound) / eps_high_is; dual_clip_c is DAPO's alone
+    is_weight:  [B, T] optional rollout-correction weights (rollout_correction.py), not differentiated
     max_response_length: seq-mean-token-sum-norm's constant (rollout.max_response_length)
     ref_logp:   [B, T] optional reference-policy logprobs: adds kl_coef x kl_estimate(logp, ref_logp, kl_estimator)
                 to every token's loss (aggregated as the policy loss is; not IS-weighted)
+    seq_index:  [B, T] long, the number of the response each position belongs to, in the loss or not (packed rows
+                hold several), -1 off responses; None: one response a row. seq-mean-token-mean and GSPO average
+                over responses, and Dr. GRPO's divisor counts them.
     The mini-batch loss is sum(loss_sum) / sum(normalizer) over its micro-batches and ranks.
     """
+    if objective not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss: objective={objective!r}, expected one of {POLICY_LOSSES}")
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"policy_loss: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
     if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
@@ -127,13 +108,23 @@ def policy_loss(
         advantages = advantages[:, None]
     advantages = advantages.expand(logp.shape)
     mask = mask.bool()
+    seq = sequence_index(mask, seq_index)
     # Zero padding before the math: NaN/inf there would otherwise leak into the gradient.
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     logp = torch.where(mask, logp.float(), zero)
     old_logp = torch.where(mask, old_logp.float(), zero)
     advantages = torch.where(mask, advantages.float(), zero)
+    log_ratio = (logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp)  # exp() stays finite; no gradient beyond
 
-    loss, flags = token_policy_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip_c, log_ratio_clamp)
+    if eps_low is None and objective != "cispo":
+        raise ValueError(f"policy_loss: objective={objective!r} needs eps_low (only cispo's may be None)")
+    if objective == "dapo":
+        loss, flags = dapo_loss(log_ratio, advantages, eps_low, eps_high, dual_clip_c)
+    elif objective == "cispo":
+        loss, flags = cispo_loss(logp, log_ratio, advantages, eps_low, eps_high)
+    else:
+        loss, flags = gspo_loss(log_ratio, advantages, mask, seq, eps_low, eps_high, objective == "gspo_token")
+    clip_dual = flags.get("clip_dual", torch.zeros_like(mask))
     if is_weight is not None:
         loss = loss * torch.where(mask, is_weight.detach().float(), zero)
     kl = torch.zeros_like(loss)
@@ -144,90 +135,31 @@ def policy_loss(
         loss = loss + kl_coef * kl
     loss = torch.where(mask, loss, zero)
 
-    tokens_per_seq = mask.sum(dim=1)
+    seq_tokens = sequence_sum(mask.float(), mask, seq)  # [B, T]: each position's response length
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
         if loss_agg_mode == "seq-mean-token-mean":  # each response weighs the same, whatever its length
-            return (per_token.sum(dim=1) / tokens_per_seq.clamp(min=1)).sum()
+            return torch.where(mask, per_token / seq_tokens.clamp(min=1.0), zero).sum()
         return per_token.sum()  # over tokens (token-mean), responses (seq-mean-token-sum) or a constant (-norm)
 
     loss_sum = aggregate(loss)
-    normalizer = loss_normalizer(tokens_per_seq, loss_agg_mode, max_response_length)
+    normalizer = loss_normalizer(response_tokens(mask, seq_index), loss_agg_mode, max_response_length)
 
     ratio = flags["ratio"]
-    log_ratio = torch.log(ratio)
+    log_r = torch.log(ratio)
     stats = {
         "tokens": mask.sum().float(),
         "clip_low": (flags["clip_low"] & mask).sum().float(),
         "clip_high": (flags["clip_high"] & mask).sum().float(),
-        "clip_dual": (flags["clip_dual"] & mask).sum().float(),
+        "clip_dual": (clip_dual & mask).sum().float(),
         "ratio_sum": torch.where(mask, ratio, zero).sum(),
         "ratio_max": torch.where(mask, ratio, zero).max() if mask.any() else zero.clone(),
         # k3 estimator of KL(pi_old || pi): (r - 1) - log r, >= 0 and low-variance
-        "approx_kl_sum": torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum(),
+        "approx_kl_sum": torch.where(mask, (ratio - 1.0) - log_r, zero).sum(),
         "kl_sum": kl.detach().sum(),
         "kl_loss_sum": kl_coef * aggregate(kl.detach()),
     }
     return PolicyLoss(loss_sum=loss_sum, normalizer=normalizer, stats=stats)
-
-
-def truncated_is_weight(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    cap: float,
-    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
-) -> torch.Tensor:
-    """Truncated importance sampling for the rollout-vs-training mismatch.
-
-    w = min(pi_train_old / pi_rollout, cap) per token, from the training policy's recomputed
-    old_logp and the rollout engine's sampling logprobs. old_logp, rollout_logp: [B, T].
-    Returns [B, T] float32, detached.
-    """
-    if cap <= 0:
-        raise ValueError(f"truncated_is_weight: cap={cap} must be > 0")
-    log_w = (old_logp.detach().float() - rollout_logp.detach().float()).clamp(-log_ratio_clamp, log_ratio_clamp)
-    return torch.exp(log_w).clamp(max=cap)
-
-
-MISMATCH_KEYS = ("abs_sum", "kl_sum", "capped", "tokens")
-
-
-def rollout_mismatch_sums(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    cap: Optional[float] = None,
-    log_ratio_clamp: float = AlgorithmConfig.log_ratio_clamp,
-) -> torch.Tensor:
-    """How far the rollout engine's policy is from the training policy, over tokens the engine sampled.
-
-    old_logp, rollout_logp: [N] the same response tokens' logprobs under the training policy (recomputed) and the
-    engine (as sampled). With w = pi_train / pi_rollout = exp(old_logp - rollout_logp) per token, returns [4]
-    float64 sums (MISMATCH_KEYS): sum |old_logp - rollout_logp|; sum (w - 1) - log w, the k3 estimate of
-    KL(pi_rollout || pi_train) (>= 0 per token, unbiased under the rollout's samples); the tokens whose truncated-IS
-    weight w exceeds cap (0 when cap is None); and N. Sums, so ranks and micro-batches add them.
-    """
-    if old_logp.shape != rollout_logp.shape or old_logp.dim() != 1:
-        raise ValueError(
-            f"rollout_mismatch_sums: old_logp {tuple(old_logp.shape)} and rollout_logp {tuple(rollout_logp.shape)} "
-            "must be the same [N]"
-        )
-    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
-    w = torch.exp(log_w)
-    capped = (w > cap).sum() if cap is not None else torch.zeros((), dtype=torch.int64)
-    return torch.stack(
-        [log_w.abs().sum(), ((w - 1.0) - log_w).sum(), capped.double(), torch.tensor(float(log_w.numel()))]
-    )
-
-
-def mismatch_metrics(sums: torch.Tensor, cap: Optional[float]) -> dict[str, float]:
-    """Per-token means for the logs from rollout_mismatch_sums' [4] totals (zero when no token had both logprobs):
-    rollout/logp_mismatch_mean, rollout/kl, and rollout/tis_capped_frac when truncated IS is on (cap set)."""
-    abs_sum, kl_sum, capped, tokens = (float(x) for x in sums)
-    denom = max(tokens, 1.0)
-    out = {"rollout/logp_mismatch_mean": abs_sum / denom, "rollout/kl": kl_sum / denom}
-    if cap is not None:
-        out["rollout/tis_capped_frac"] = capped / denom
-    return out
 
 
 def reduce_stats(stats_list: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

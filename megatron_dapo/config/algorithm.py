@@ -1,11 +1,20 @@
-"""The algorithm section: the DAPO objective, its clip, advantages, overlong shaping and KL term."""
+"""The algorithm section: the objective (DAPO by default) and its clip, rollout correction, advantages, overlong
+shaping and KL term."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dapo.choices import ADV_NORMS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_IMPLS, OVERLONG_SHAPES
+from megatron_dapo.choices import (
+    ADV_NORMS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    LOSS_IMPLS,
+    OVERLONG_SHAPES,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+)
 from megatron_dapo.config.base import check
 
 
@@ -15,10 +24,26 @@ class AlgorithmConfig:
 
     group_size: int = 16
     """G: responses sampled per prompt. Must be >= 2: a group of one has no variance."""
+    policy_loss: str = "dapo"
+    """The objective (formulas in algorithm/objectives.py): 'dapo' (the paper's eq. 8: token-level ratio,
+    clipped at [1 - eps_low, 1 + eps_high], dual clip optional); 'gspo' (GSPO, Zheng et al. 2025: the response's
+    ratio, the geometric mean of its token ratios, clipped at [1 - gspo_eps_low, 1 + gspo_eps_high]; the paper
+    averages per response: loss_agg_mode seq-mean-token-mean); 'gspo_token' (GSPO-token: the same value, each
+    token's own gradient, for per-token advantages); 'cispo' (MiniMax-M1: every token's log-likelihood weighted
+    by its ratio clipped to [1 - eps_low_is, 1 + eps_high_is] with no gradient through the weight)."""
     eps_low: float = 0.2
     """Clip-Higher lower bound: the ratio is clipped below at 1 - eps_low."""
     eps_high: float = 0.28
     """Clip-Higher upper bound: the ratio is clipped above at 1 + eps_high."""
+    gspo_eps_low: float = 3e-4
+    """GSPO's clip below: the response's ratio is clipped at 1 - gspo_eps_low (the GSPO paper's 3e-4)."""
+    gspo_eps_high: float = 4e-4
+    """GSPO's clip above: at 1 + gspo_eps_high (the GSPO paper's 4e-4)."""
+    eps_low_is: Optional[float] = None
+    """CISPO's importance weight is clipped below at 1 - eps_low_is; null: no lower bound (MiniMax-M1 tunes only
+    the upper one)."""
+    eps_high_is: float = 4.0
+    """CISPO's importance weight is capped at 1 + eps_high_is: 5.0, TRL's recommended cap for CISPO."""
     dual_clip_c: Optional[float] = None
     """Dual clip for negative advantages (verl's clip_ratio_c, 10 there): the token
     loss is capped at -c * A. None turns it off, as in the paper. Must be > 1."""
@@ -30,8 +55,8 @@ class AlgorithmConfig:
     constant, so no response's length changes another's weight)."""
     loss_impl: str = "auto"
     """'reference' (PyTorch, algorithm/policy_loss.py), 'fused' (the Triton kernel in
-    megatron_dapo.kernels: one read of the inputs), or 'auto' (fused on CUDA tensors, the
-    reference on CPU unless TRITON_INTERPRET=1)."""
+    megatron_dapo.kernels: one read of the inputs; policy_loss 'dapo' only), or 'auto' (fused on CUDA tensors
+    with 'dapo', the reference on CPU unless TRITON_INTERPRET=1 and for the other objectives, said once)."""
     adv_eps: float = 1e-6
     """Added to the group's standard deviation: A = (R - mean) / (std + adv_eps)."""
     adv_norm: str = "std"
@@ -39,9 +64,27 @@ class AlgorithmConfig:
     (Dr. GRPO: dividing by the std weighs groups whose rewards barely differ the most)."""
     log_ratio_clamp: float = 20.0
     """|logp - old_logp| is clamped to this before exp(), so huge differences never give inf/NaN."""
+    rollout_correction: Optional[str] = None
+    """How the rollout engine's policy differing from the trainer's is corrected, from each token's ratio
+    w = exp(old_logp - rollout_logp) and a response's geometric mean W (algorithm/rollout_correction.py has each
+    formula): 'token_tis' (min(w, tis_cap)), 'seq_tis' (min(W, tis_cap) on the response's tokens), 'token_mask' /
+    'seq_mask' (tokens / responses whose w / W leaves [rollout_mask_low, rollout_mask_high] get no gradient),
+    'icepop' (tokens with w in [icepop_low, icepop_high] weighted by w, the rest none), 'none'. Masked tokens stay
+    in the loss's divisor. null: 'token_tis' when a cap is in force (tis_cap, or FP8 rollouts'
+    rollout.quantization_tis_cap), else 'none'. Sources: truncated IS from Yao et al. 2025 ("Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training"), the sequence and masked modes from verl's rollout
+    correction (Liu, Li et al. 2025, "When Speed Kills Stability"), IcePop from Ring-1T (inclusionAI 2025)."""
     tis_cap: Optional[float] = None
-    """Truncated importance sampling against the rollout engine's logprobs: each token's
-    loss is weighted by min(exp(old_logp - rollout_logp), tis_cap). None turns it off."""
+    """The cap of truncated importance sampling ('token_tis' and 'seq_tis'): each token's loss is weighted by
+    min(w, tis_cap). Set alone, it turns 'token_tis' on."""
+    rollout_mask_low: float = 0.5
+    """'token_mask' and 'seq_mask': the lowest kept ratio (inclusive; verl's lower threshold, 1 / 2.0)."""
+    rollout_mask_high: float = 2.0
+    """'token_mask' and 'seq_mask': the highest kept ratio (inclusive; verl's threshold 2.0)."""
+    icepop_low: float = 0.5
+    """'icepop': the lowest kept ratio (inclusive; Ring-1T's IcePop keeps [0.5, 5])."""
+    icepop_high: float = 5.0
+    """'icepop': the highest kept ratio (inclusive; Ring-1T's IcePop, verl's preset "0.5_5.0")."""
     dynamic_sampling: bool = True
     """Keep only informative groups (0 < #correct < G). Off: every group is trained on (GRPO)."""
     overlong_punishment: bool = True
@@ -81,6 +124,14 @@ class AlgorithmConfig:
     """Keep the reference policy's weights in CPU memory, on the GPU only for its forward pass in the
     old-logprob phase (saves its share of the weights per GPU: docs/training.md#kl-to-a-reference-policy)."""
 
+    def clip_bounds(self) -> tuple[Optional[float], float]:
+        """(eps_low, eps_high) of the objective in force: DAPO's, GSPO's or CISPO's keys."""
+        if self.policy_loss.startswith("gspo"):
+            return self.gspo_eps_low, self.gspo_eps_high
+        if self.policy_loss == "cispo":
+            return self.eps_low_is, self.eps_high_is
+        return self.eps_low, self.eps_high
+
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
         check(
@@ -96,6 +147,25 @@ class AlgorithmConfig:
             "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
         )
         check(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, "a value >= 0")
+        check(
+            self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES}"
+        )
+        check(0 <= self.gspo_eps_low < 1, "algorithm.gspo_eps_low", self.gspo_eps_low, "a value in [0, 1)")
+        check(self.gspo_eps_high >= 0, "algorithm.gspo_eps_high", self.gspo_eps_high, "a value >= 0")
+        if self.eps_low_is is not None:
+            check(0 <= self.eps_low_is <= 1, "algorithm.eps_low_is", self.eps_low_is, "a value in [0, 1], or null")
+        check(self.eps_high_is >= 0, "algorithm.eps_high_is", self.eps_high_is, "a value >= 0")
+        if self.rollout_correction is not None:
+            check(
+                self.rollout_correction in ROLLOUT_CORRECTIONS,
+                "algorithm.rollout_correction",
+                self.rollout_correction,
+                f"one of {ROLLOUT_CORRECTIONS}, or null",
+            )
+        for bounds in ("rollout_mask", "icepop"):
+            lo, hi = getattr(self, f"{bounds}_low"), getattr(self, f"{bounds}_high")
+            check(0 <= lo, f"algorithm.{bounds}_low", lo, "a ratio >= 0")
+            check(hi > lo, f"algorithm.{bounds}_high", hi, f"a ratio above algorithm.{bounds}_low={lo}")
         if self.dual_clip_c is not None:
             check(
                 self.dual_clip_c > 1,
@@ -112,6 +182,20 @@ class AlgorithmConfig:
             f"one of {LOSS_AGG_MODES}",
         )
         check(self.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", self.loss_impl, f"one of {LOSS_IMPLS}")
+        if self.loss_impl == "fused":
+            check(
+                self.policy_loss == "dapo",
+                "algorithm.loss_impl",
+                self.loss_impl,
+                f"'auto' or 'reference' with policy_loss={self.policy_loss!r} (the fused kernel computes dapo's)",
+            )
+        if self.dual_clip_c is not None:
+            check(
+                self.policy_loss == "dapo",
+                "algorithm.dual_clip_c",
+                self.dual_clip_c,
+                f"null with policy_loss={self.policy_loss!r} (dual clip caps DAPO's token loss)",
+            )
         check(self.adv_eps > 0, "algorithm.adv_eps", self.adv_eps, "a value > 0")
         check(self.adv_norm in ADV_NORMS, "algorithm.adv_norm", self.adv_norm, f"one of {ADV_NORMS}")
         check(

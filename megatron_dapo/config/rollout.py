@@ -36,8 +36,8 @@ class RolloutConfig:
     GPU). Truncated IS corrects the mismatch (quantization_tis_cap)."""
     quantization_tis_cap: Optional[float] = 2.0
     """With quantization 'fp8' and algorithm.tis_cap null, truncated importance sampling is on
-    with this cap (2: no token's loss is more than doubled); null leaves it off. algorithm.tis_cap, when
-    set, wins."""
+    with this cap (2: no token's loss is more than doubled); null: FP8 rollouts then need another
+    algorithm.rollout_correction. algorithm.tis_cap, when set, wins."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""

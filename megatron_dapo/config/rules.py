@@ -1,4 +1,4 @@
-"""The root of the tree: its sections, the settings derived from several of them (the truncated-IS cap in force,
+"""The root of the tree: its sections, the settings derived from several of them (the rollout correction in force,
 lockstep, the soft overlong maximum, the evaluation's length), and the checks that span sections."""
 
 from __future__ import annotations
@@ -53,6 +53,21 @@ class Config:
             return self.algorithm.tis_cap
         return self.rollout.quantization_tis_cap if self.rollout.quantization == "fp8" else None
 
+    def rollout_correction(self):
+        """The rollout correction in force (algorithm.rollout_correction, else 'token_tis' when a cap is in force),
+        with its bounds: an algorithm.rollout_correction.Correction."""
+        from megatron_dapo.algorithm.rollout_correction import Correction  # algorithm/ imports the config
+
+        a, cap = self.algorithm, self.tis_cap()
+        mode = a.rollout_correction or ("token_tis" if cap is not None else "none")
+        if mode.endswith("_tis"):
+            return Correction(mode, None, cap)
+        if mode.endswith("_mask"):
+            return Correction(mode, a.rollout_mask_low, a.rollout_mask_high)
+        if mode == "icepop":
+            return Correction(mode, a.icepop_low, a.icepop_high)
+        return Correction()
+
     def lockstep(self) -> bool:
         """sampler.lockstep in force: as set, else off only in async at max_staleness >= 1."""
         if self.sampler.lockstep is not None:
@@ -97,13 +112,35 @@ class Config:
             s.engine_sequences,
             f"at least algorithm.group_size={a.group_size} (an engine takes whole groups)",
         )
-        if s.partial_rollout:
+        correction = a.rollout_correction or ("token_tis" if self.tis_cap() is not None else "none")
+        if correction.endswith("_tis"):
             check(
                 self.tis_cap() is not None,
                 "algorithm.tis_cap",
                 a.tis_cap,
-                "a cap (e.g. 2.0) with sampler.partial_rollout=true: tokens sampled by an older policy are "
-                "weighted by truncated importance sampling",
+                f"a cap > 0 (e.g. 2.0) with algorithm.rollout_correction={correction}",
+            )
+        for needs, why in (
+            (s.partial_rollout, "sampler.partial_rollout=true: tokens sampled by an older policy"),
+            (r.quantization == "fp8", "rollout.quantization=fp8: tokens sampled by the FP8-rounded policy"),
+        ):
+            if needs:
+                check(
+                    correction != "none",
+                    "algorithm.rollout_correction" if a.rollout_correction else "algorithm.tis_cap",
+                    a.rollout_correction or a.tis_cap,
+                    f"a correction (e.g. algorithm.tis_cap=2.0, or a rollout_correction other than none) with {why} "
+                    "are weighted against the trainer's",
+                )
+        if self.parallel.cp > 1:
+            per_response = [f"loss_agg_mode={a.loss_agg_mode}"] if a.loss_agg_mode == "seq-mean-token-mean" else []
+            per_response += [f"policy_loss={a.policy_loss}"] if a.policy_loss.startswith("gspo") else []
+            check(
+                not per_response,
+                "parallel.cp",
+                self.parallel.cp,
+                f"1 with algorithm.{' and '.join(per_response)}: a mean over each response needs all its tokens on "
+                "one rank, and context parallel splits them",
             )
         if s.skip:
             check(

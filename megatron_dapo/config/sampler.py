@@ -39,7 +39,8 @@ class SamplerConfig:
     version that sampled it, and groups are accepted as they complete. Faster (no step waits for its
     longest response); a group once started is trained or rejected on its own outcome, so its tokens can
     be several versions old (reported as staleness/max and staleness/p99), corrected by truncated
-    importance sampling (algorithm.tis_cap must be set)."""
+    importance sampling or another rollout correction (algorithm.tis_cap or algorithm.rollout_correction must
+    be set)."""
     max_staleness: int = 1
     """eta, as AReaL's: how many batches generation may run ahead of training. With partial_rollout a
     group is started only while the informative groups found and not yet trained, plus the groups generating

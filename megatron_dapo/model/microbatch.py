@@ -24,9 +24,11 @@ class TrainSample:
     old_logp: Optional[torch.Tensor] = None
     """[len(response_ids)] float32: logprobs of the policy that sampled, recomputed by compute_logprobs."""
     rollout_logp: Optional[torch.Tensor] = None
-    """[len(response_ids)] float32: the rollout engine's sampling logprobs (for truncated IS)."""
+    """[len(response_ids)] float32: the rollout engine's sampling logprobs (for the rollout correction)."""
     ref_logp: Optional[torch.Tensor] = None
     """[len(response_ids)] float32: the reference policy's logprobs (KL as a loss term), from compute_logprobs."""
+    is_weight: Optional[torch.Tensor] = None
+    """[len(response_ids)] float32: rollout-correction weights (algorithm.rollout_correction), set by train_step."""
     in_loss: bool = True
     """False masks the whole response out of the loss (overlong filtering)."""
 
@@ -47,9 +49,10 @@ class MicroBatch:
     response_mask: torch.Tensor  # [b, L] bool: positions predicting a response token
     loss_mask: torch.Tensor  # [b, L] bool: response_mask and the sample is in the loss
     advantages: torch.Tensor  # [b, L] float32
+    seq_index: torch.Tensor  # [b, L] long: the sequence's place in the micro-batch on its response positions, else -1
     old_logp: Optional[torch.Tensor] = None  # [b, L] float32
-    rollout_logp: Optional[torch.Tensor] = None  # [b, L] float32
     ref_logp: Optional[torch.Tensor] = None  # [b, L] float32
+    is_weight: Optional[torch.Tensor] = None  # [b, L] float32
     packed_seq_params: Any = None
     """megatron.core PackedSeqParams (qkv_format 'thd') for the packed layout, else None."""
 
@@ -110,9 +113,10 @@ def collate(
     response_mask = torch.zeros(b, width, dtype=torch.bool)
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     advantages = torch.zeros(b, width)
+    seq_index = torch.full((b, width), -1, dtype=torch.long)
     old_logp = torch.zeros(b, width) if all(s.old_logp is not None for s in seqs) else None
-    rollout_logp = torch.zeros(b, width) if all(s.rollout_logp is not None for s in seqs) else None
     ref_logp = torch.zeros(b, width) if seqs and all(s.ref_logp is not None for s in seqs) else None
+    is_weight = torch.zeros(b, width) if seqs and all(s.is_weight is not None for s in seqs) else None
     spans = []
     for k, s in enumerate(seqs):
         row, st, p, r = rows[k], starts[k], len(s.prompt_ids), len(s.response_ids)
@@ -124,12 +128,13 @@ def collate(
         response_mask[row, span] = True
         loss_mask[row, span] = s.in_loss
         advantages[row, span] = s.advantage
+        seq_index[row, span] = k
         if old_logp is not None:
             old_logp[row, span] = s.old_logp.float()
-        if rollout_logp is not None:
-            rollout_logp[row, span] = s.rollout_logp.float()
         if ref_logp is not None:
             ref_logp[row, span] = s.ref_logp.float()
+        if is_weight is not None:
+            is_weight[row, span] = s.is_weight.float()
         spans.append((indices[k], row, span.start, span.stop))
     to = partial(torch.Tensor.to, device=device)
     return MicroBatch(
@@ -140,9 +145,10 @@ def collate(
         response_mask=to(response_mask),
         loss_mask=to(loss_mask),
         advantages=to(advantages),
+        seq_index=to(seq_index),
         old_logp=None if old_logp is None else to(old_logp),
-        rollout_logp=None if rollout_logp is None else to(rollout_logp),
         ref_logp=None if ref_logp is None else to(ref_logp),
+        is_weight=None if is_weight is None else to(is_weight),
         packed_seq_params=thd_params(lengths, width, device) if packed else None,
     )
 
@@ -195,9 +201,10 @@ def slice_for_cp(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
         "response_mask",
         "loss_mask",
         "advantages",
+        "seq_index",
         "old_logp",
-        "rollout_logp",
         "ref_logp",
+        "is_weight",
     )
     sliced = {f: None if getattr(mb, f) is None else cp_slice(getattr(mb, f), cp, rank) for f in fields}
     return MicroBatch(spans=mb.spans, packed_seq_params=None, **sliced)

@@ -1,4 +1,4 @@
-"""The Megatron policy: logprobs of responses and the DAPO train step.
+"""The Megatron policy: logprobs of responses and the train step (DAPO's objective or another: algorithm.policy_loss).
 
 A mini-batch of samples (this data-parallel rank's share) is packed into micro-batches
 under a token budget (microbatch.py lays them out), then run through Megatron's forward-backward schedule (no pipeline,
@@ -13,16 +13,18 @@ the global token-mean.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
+from dataclasses import replace
 from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import loss_metrics, loss_normalizer, reduce_stats, truncated_is_weight
+from megatron_dapo.algorithm import correction_weight, loss_metrics, loss_normalizer, reduce_stats
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.config import Config
 from megatron_dapo.kernels import fused_runs_on
@@ -43,6 +45,7 @@ from megatron_dapo.model.parallel import Layout
 # megatron-core's distributed optimizer clears the .grad of its (non-leaf) fp32 shard views in
 # zero_grad; torch warns on every step about a read that is harmless there
 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+log = logging.getLogger(__name__)
 
 
 class MegatronPolicy:
@@ -69,11 +72,9 @@ class MegatronPolicy:
         self._forward_backward = get_forward_backward_func()
         # THD packing needs an attention that takes packed rows (TE's or SDPA's); Megatron's unfused one gets padded
         # rows. Under context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
-        # seq-mean-token-mean means over each response's row: padded rows there too.
         a = cfg.algorithm
-        per_row = a.loss_agg_mode == "seq-mean-token-mean"
         takes_packed = layout.attention in ("te", "sdpa")
-        self.packed = cfg.train.packed_sequences and takes_packed and layout.cp == 1 and not per_row
+        self.packed = cfg.train.packed_sequences and takes_packed and layout.cp == 1
         self.offload = frozen and a.ref_offload and layout.device.type == "cuda"
         if frozen:
             for chunk in chunks:
@@ -91,9 +92,17 @@ class MegatronPolicy:
         # The loss is already divided by the global token count: finalize must not rescale by it.
         tf_config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
         self.optimizer_steps = 0
-        # algorithm.loss_impl, 'auto' resolved once for this device: the fused kernel or the reference
-        self.loss_impl = resolve_loss_impl(a.loss_impl, fused_runs_on(layout.device))
-        self.loss_fn = policy_loss_fn(self.loss_impl)
+        # algorithm.loss_impl, 'auto' resolved once for this device and objective: the fused kernel or the reference
+        fused_here = fused_runs_on(layout.device)
+        self.loss_impl = resolve_loss_impl(a.loss_impl, fused_here, a.policy_loss)
+        self.loss_fn = policy_loss_fn(self.loss_impl, a.policy_loss)
+        if fused_here and self.loss_impl == "reference" and a.loss_impl == "auto" and layout.rank == 0:
+            log.info("algorithm.loss_impl=auto: policy_loss=%s runs the PyTorch reference (no fused kernel)", a.policy_loss)
+        if a.policy_loss.startswith("gspo") and a.loss_agg_mode != "seq-mean-token-mean" and layout.rank == 0:
+            log.warning(
+                "algorithm.policy_loss=%s with loss_agg_mode=%s weighs each response by its length; the GSPO paper "
+                "averages per response (seq-mean-token-mean)", a.policy_loss, a.loss_agg_mode
+            )  # fmt: skip
 
     def close(self) -> None:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
@@ -213,7 +222,8 @@ class MegatronPolicy:
         Returns metrics (identical on every rank): actor/loss, actor/grad_norm, actor/lr,
         clip fractions, ratio, approx KL, entropy, tokens, and whether the update was applied.
         """
-        a, tis_cap = self.cfg.algorithm, self.cfg.tis_cap()
+        a, correction = self.cfg.algorithm, self.cfg.rollout_correction()
+        eps_low, eps_high = a.clip_bounds()
         kl_term = a.kl_coef > 0 and not a.kl_in_reward
         if self.is_last_stage and any(s.old_logp is None for s in samples):
             raise ValueError("train_step: every sample needs old_logp on the last stage (from compute_logprobs)")
@@ -221,30 +231,34 @@ class MegatronPolicy:
             raise ValueError(
                 "train_step: algorithm.kl_coef > 0: every sample needs ref_logp (the reference's logprobs)"
             )
+        if correction.mode != "none" and self.is_last_stage:  # each response's weights, from its whole length
+            samples = [
+                s if s.rollout_logp is None else
+                replace(s, is_weight=correction_weight(s.old_logp, s.rollout_logp, correction, a.log_ratio_clamp)[0])
+                for s in samples
+            ]  # fmt: skip
         normalizer = self.global_normalizer(samples)
         vocab = self.arch.vocab_size
         t0 = time.perf_counter()
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.layout, with_entropy=True)
-            is_weight = None
-            if tis_cap is not None and mb.rollout_logp is not None:
-                is_weight = truncated_is_weight(mb.old_logp, mb.rollout_logp, tis_cap, a.log_ratio_clamp)
             out = self.loss_fn(
                 logp,
                 mb.old_logp,
                 mb.advantages,
                 mb.loss_mask,
-                eps_low=a.eps_low,
-                eps_high=a.eps_high,
+                eps_low=eps_low,
+                eps_high=eps_high,
                 dual_clip_c=a.dual_clip_c,
-                is_weight=is_weight,
+                is_weight=mb.is_weight,
                 loss_agg_mode=a.loss_agg_mode,
                 log_ratio_clamp=a.log_ratio_clamp,
                 max_response_length=self.cfg.rollout.max_response_length,
                 ref_logp=mb.ref_logp if kl_term else None,
                 kl_coef=a.kl_coef,
                 kl_estimator=a.kl_estimator,
+                seq_index=mb.seq_index,
             )
             loss = out.loss_sum / max(normalizer, 1.0)
             stats = dict(out.stats)

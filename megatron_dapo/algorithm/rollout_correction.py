@@ -1,0 +1,116 @@
+"""Rollout correction (algorithm.rollout_correction): the rollout engine's policy is not exactly the trainer's.
+
+Per response token, w_t = pi_train_old(y_t) / pi_rollout(y_t) = exp(old_logp_t - rollout_logp_t) (its log clamped
+to +-log_ratio_clamp), from the trainer's recomputed old logprobs and the engine's sampling logprobs; a response's
+ratio is their geometric mean W = exp(mean_t log w_t) (a product of token ratios is another mode, not this one:
+it leaves [low, high] at any mismatch once responses are long). Each mode gives every token a weight that
+multiplies its loss (no gradient flows through it):
+
+    token_tis   min(w_t, high)                          truncated IS per token (high = algorithm.tis_cap)
+    seq_tis     min(W, high) on every token             truncated IS per response
+    token_mask  1 if low <= w_t <= high else 0          the token rejected (no IS weight)
+    seq_mask    1 if low <= W <= high else 0            the response rejected
+    icepop      w_t if low <= w_t <= high else 0        IcePop (Ring-1T): kept tokens IS-weighted, bounds inclusive
+    none        1
+
+A masked token (weight 0) stays in the loss's divisor in every mode, as in IcePop's 1 / sum |y_i|: the divisor is
+fixed from the responses before the step, so a correction never changes how much the kept tokens weigh.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from megatron_dapo.choices import ROLLOUT_CORRECTIONS
+
+SEQUENCE_MODES = ("seq_tis", "seq_mask")
+
+
+class Correction(NamedTuple):
+    """A mode and its bounds (Config.rollout_correction() builds it from the algorithm section)."""
+
+    mode: str = "none"
+    low: Optional[float] = None
+    """token_mask, seq_mask, icepop: the lowest kept ratio (inclusive)."""
+    high: Optional[float] = None
+    """token_tis, seq_tis: the cap; token_mask, seq_mask, icepop: the highest kept ratio (inclusive)."""
+
+
+def correction_weight(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, correction: Correction, log_ratio_clamp: float = 20.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One response's per-token weights under the correction, and which tokens it capped or masked.
+
+    old_logp, rollout_logp: [R] the response's logprobs under the trainer (recomputed) and the engine (sampled).
+    Returns (weight [R] float32, corrected [R] bool), both detached.
+    """
+    mode, low, high = correction
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout correction {mode!r}: expected one of {ROLLOUT_CORRECTIONS}")
+    if old_logp.shape != rollout_logp.shape or old_logp.dim() != 1:
+        raise ValueError(
+            f"correction_weight: old_logp {tuple(old_logp.shape)} and rollout_logp {tuple(rollout_logp.shape)} "
+            "must be the same [R]"
+        )
+    if mode != "none" and (high is None or high <= 0 or (mode not in ("token_tis", "seq_tis") and low is None)):
+        raise ValueError(f"rollout correction {mode!r}: bounds low={low}, high={high} (need high > 0, and low)")
+    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    if mode in SEQUENCE_MODES:  # the geometric mean, on every token of the response (1 for an empty response)
+        log_w = log_w.mean().expand(log_w.shape) if log_w.numel() else log_w
+    w = torch.exp(log_w)
+    if mode == "none":
+        weight, corrected = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+    elif mode in ("token_tis", "seq_tis"):
+        weight, corrected = w.clamp(max=high), w > high
+    else:
+        kept = (w >= low) & (w <= high)
+        weight = torch.where(kept, w if mode == "icepop" else torch.ones_like(w), torch.zeros_like(w))
+        corrected = ~kept
+    return weight.float(), corrected
+
+
+MISMATCH_KEYS = ("abs_sum", "kl_sum", "corrected", "tokens", "corrected_seqs", "seqs")
+
+
+def rollout_mismatch_sums(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    correction: Correction = Correction(),
+    log_ratio_clamp: float = 20.0,
+) -> torch.Tensor:
+    """How far the rollout engine's policy is from the training policy, over one response's tokens.
+
+    old_logp, rollout_logp: [N] the response's logprobs under the training policy (recomputed) and the engine (as
+    sampled). With w = exp(old_logp - rollout_logp) per token, returns [6] float64 sums (MISMATCH_KEYS): sum
+    |old_logp - rollout_logp|; sum (w - 1) - log w, the k3 estimate of KL(pi_rollout || pi_train) (>= 0 per token,
+    unbiased under the rollout's samples); the tokens the correction capped or masked; N; 1 if it capped or
+    masked any token of the response; 1 (the response). Sums, so ranks, micro-batches and responses add them.
+    """
+    _, corrected = correction_weight(old_logp, rollout_logp, correction, log_ratio_clamp)
+    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.tensor(
+        [
+            float(log_w.abs().sum()),
+            float(((torch.exp(log_w) - 1.0) - log_w).sum()),
+            float(corrected.sum()),
+            float(log_w.numel()),
+            float(corrected.any()),
+            1.0,
+        ],
+        dtype=torch.float64,
+    )
+
+
+def mismatch_metrics(sums: torch.Tensor, correction: Correction = Correction()) -> dict[str, float]:
+    """Means for the logs from rollout_mismatch_sums' [6] totals (zero when no token had both logprobs):
+    rollout/logp_mismatch_mean and rollout/kl per token; with a correction on, rollout/corrected_frac (the tokens
+    capped or masked) and, for a sequence mode, rollout/corrected_seq_frac (the responses)."""
+    abs_sum, kl_sum, corrected, tokens, corrected_seqs, seqs = (float(x) for x in sums)
+    out = {"rollout/logp_mismatch_mean": abs_sum / max(tokens, 1.0), "rollout/kl": kl_sum / max(tokens, 1.0)}
+    if correction.mode != "none":
+        out["rollout/corrected_frac"] = corrected / max(tokens, 1.0)
+    if correction.mode in SEQUENCE_MODES:
+        out["rollout/corrected_seq_frac"] = corrected_seqs / max(seqs, 1.0)
+    return out
