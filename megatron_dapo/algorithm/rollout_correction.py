@@ -19,23 +19,13 @@ fixed from the responses before the step, so a correction never changes how much
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
 
 import torch
 
 from megatron_dapo.choices import ROLLOUT_CORRECTIONS
+from megatron_dapo.config import Correction  # a mode and its bounds, as the config gives them
 
 SEQUENCE_MODES = ("seq_tis", "seq_mask")
-
-
-class Correction(NamedTuple):
-    """A mode and its bounds (Config.rollout_correction() builds it from the algorithm section)."""
-
-    mode: str = "none"
-    low: Optional[float] = None
-    """token_mask, seq_mask, icepop: the lowest kept ratio (inclusive)."""
-    high: Optional[float] = None
-    """token_tis, seq_tis: the cap; token_mask, seq_mask, icepop: the highest kept ratio (inclusive)."""
 
 
 def correction_weight(

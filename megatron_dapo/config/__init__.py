@@ -25,7 +25,7 @@ Nothing here imports torch: reading a config stays instant.
 """
 
 from megatron_dapo.choices import DTYPES
-from megatron_dapo.config.algorithm import AlgorithmConfig
+from megatron_dapo.config.algorithm import AlgorithmConfig, Correction
 from megatron_dapo.config.base import ConfigError, field_docs
 from megatron_dapo.config.data import DataConfig, RewardConfig
 from megatron_dapo.config.loading import load_config, to_yaml
@@ -40,6 +40,7 @@ __all__ = [
     "AlgorithmConfig",
     "Config",
     "ConfigError",
+    "Correction",
     "DataConfig",
     "EvalConfig",
     "ModelConfig",

@@ -4,7 +4,7 @@ shaping and KL term."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from megatron_dapo.choices import (
     ADV_NORMS,
@@ -16,6 +16,17 @@ from megatron_dapo.choices import (
     ROLLOUT_CORRECTIONS,
 )
 from megatron_dapo.config.base import check
+
+
+class Correction(NamedTuple):
+    """The rollout correction in force and its bounds (Config.rollout_correction(); algorithm/rollout_correction.py
+    applies it)."""
+
+    mode: str = "none"
+    low: Optional[float] = None
+    """token_mask, seq_mask, icepop: the lowest kept ratio (inclusive)."""
+    high: Optional[float] = None
+    """token_tis, seq_tis: the cap; token_mask, seq_mask, icepop: the highest kept ratio (inclusive)."""
 
 
 @dataclass

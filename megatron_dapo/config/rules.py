@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_dapo.config.algorithm import AlgorithmConfig
+from megatron_dapo.config.algorithm import AlgorithmConfig, Correction
 from megatron_dapo.config.base import check
 from megatron_dapo.config.data import DataConfig, RewardConfig
 from megatron_dapo.config.policy import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -53,11 +53,9 @@ class Config:
             return self.algorithm.tis_cap
         return self.rollout.quantization_tis_cap if self.rollout.quantization == "fp8" else None
 
-    def rollout_correction(self):
+    def rollout_correction(self) -> Correction:
         """The rollout correction in force (algorithm.rollout_correction, else 'token_tis' when a cap is in force),
-        with its bounds: an algorithm.rollout_correction.Correction."""
-        from megatron_dapo.algorithm.rollout_correction import Correction  # algorithm/ imports the config
-
+        with its bounds."""
         a, cap = self.algorithm, self.tis_cap()
         mode = a.rollout_correction or ("token_tis" if cap is not None else "none")
         if mode.endswith("_tis"):
