@@ -124,6 +124,7 @@ def test_fp8_rollouts_turn_truncated_is_on_unless_told_otherwise():
 
 def test_the_rollout_correction_in_force_and_its_bounds():
     """null: token_tis with a cap in force, else none; each mode with its own bounds; the *_tis modes need a cap."""
+
     def correction(*overrides):
         return tuple(load_config(overrides=list(overrides)).rollout_correction())
 
@@ -145,17 +146,23 @@ def test_the_rollout_correction_in_force_and_its_bounds():
     [
         (["algorithm.policy_loss=ppo"], "algorithm.policy_loss='ppo': expected one of ('dapo', 'gspo', "),
         (["algorithm.rollout_correction=clip"], "algorithm.rollout_correction='clip': expected one of ("),
-        (["algorithm.policy_loss=gspo", "algorithm.loss_impl=fused"], "algorithm.loss_impl='fused': expected 'auto' "
-         "or 'reference' with policy_loss='gspo'"),
-        (["algorithm.policy_loss=cispo", "algorithm.dual_clip_c=3"], "algorithm.dual_clip_c=3.0: expected null with "
-         "policy_loss='cispo'"),
+        (
+            ["algorithm.policy_loss=gspo", "algorithm.loss_impl=fused"],
+            "algorithm.loss_impl='fused': expected 'auto' or 'reference' with policy_loss='gspo'",
+        ),
+        (
+            ["algorithm.policy_loss=cispo", "algorithm.dual_clip_c=3"],
+            "algorithm.dual_clip_c=3.0: expected null with policy_loss='cispo'",
+        ),
         (["algorithm.icepop_high=0.4"], "algorithm.icepop_high=0.4: expected a ratio above algorithm.icepop_low=0.5"),
         (["algorithm.rollout_mask_low=-1"], "algorithm.rollout_mask_low=-1.0: expected a ratio >= 0"),
         (["algorithm.gspo_eps_low=1"], "algorithm.gspo_eps_low=1.0: expected a value in [0, 1)"),
         (["algorithm.eps_low_is=2"], "algorithm.eps_low_is=2.0: expected a value in [0, 1], or null"),
         (["parallel.cp=2", "algorithm.policy_loss=gspo"], "parallel.cp=2: expected 1 with algorithm.policy_loss=gspo"),
-        (["parallel.cp=2", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.policy_loss=gspo_token"],
-         "parallel.cp=2: expected 1 with algorithm.loss_agg_mode=seq-mean-token-mean and policy_loss=gspo_token"),
+        (
+            ["parallel.cp=2", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.policy_loss=gspo_token"],
+            "parallel.cp=2: expected 1 with algorithm.loss_agg_mode=seq-mean-token-mean and policy_loss=gspo_token",
+        ),
     ],
 )
 def test_objective_and_correction_settings_that_cannot_run_are_refused(overrides, needle):

@@ -46,8 +46,14 @@ DR_GRPO = [
     f"rollout.max_response_length={DR_GRPO_MAX_RESPONSE}",
     "algorithm.overlong_buffer_len=8",  # within the limit (the default 4096 is the paper's, for 20480)
 ]
-GSPO = ["algorithm.policy_loss=gspo", "algorithm.gspo_eps_low=0.0002", "algorithm.gspo_eps_high=0.05",
-        "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_correction=seq_tis", "algorithm.tis_cap=1.1"]
+GSPO = [
+    "algorithm.policy_loss=gspo",
+    "algorithm.gspo_eps_low=0.0002",
+    "algorithm.gspo_eps_high=0.05",
+    "algorithm.loss_agg_mode=seq-mean-token-mean",
+    "algorithm.rollout_correction=seq_tis",
+    "algorithm.tis_cap=1.1",
+]
 CISPO = ["algorithm.policy_loss=cispo", "algorithm.eps_high_is=0.25", "algorithm.rollout_correction=icepop",
          "algorithm.icepop_low=0.6", "algorithm.icepop_high=1.6"]  # fmt: skip
 FAR_EPS = 0.1  # a checkpoint's rms_norm_eps far from the tiny models' 1e-6 (and Megatron's default 1e-5)
@@ -144,6 +150,7 @@ def dapo_float64(
     """
     low, high = bounds
     if tis_cap is not None:
+
         def weight(b):  # noqa: E306 (old_logp - rollout_logp = -rollout_offset)
             return torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
 
@@ -311,6 +318,7 @@ def test_gspo_and_cispo_steps_on_packed_rows_match_float64_transformers(model, b
     detached weight min(r, 1.25) on every token's logp, the tokens weighted by IcePop (w in [0.6, 1.6], else 0). A
     ratio summed over a packed row instead of one response, a weight taken per token, or the objective's bounds read
     from DAPO's keys all fail."""
+
     def seq_tis(b):
         return torch.exp(-b["rollout_offset"].double().mean()).clamp(max=1.1).expand(len(b["response"]))
 

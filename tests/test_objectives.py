@@ -58,7 +58,9 @@ def ref_objective(objective, responses, mode, weights=None) -> tuple[float, list
     }[mode]
     loss = total / max(divisor, 1)
     grads = torch.autograd.grad(loss, lps, allow_unused=True) if loss.requires_grad else [None] * len(lps)
-    return float(loss.detach()), [torch.zeros(len(lp), dtype=torch.float64) if g is None else g for g, lp in zip(grads, lps)]
+    return float(loss.detach()), [
+        torch.zeros(len(lp), dtype=torch.float64) if g is None else g for g, lp in zip(grads, lps)
+    ]
 
 
 # ------------------------------------------------------------------ inputs and layouts
@@ -234,7 +236,8 @@ def test_correction_weights_reach_each_objective(seed):
         for i, wi in enumerate(weights):
             w[i, : len(wi)] = wi
         _, loss, grad = run(objective, logp, old, adv, mask, "token-mean", is_weight=w)
-        assert_matches(objective, responses, "token-mean", loss, lambda i: grad[i, : len(responses[i][0])], weights)
+        rows = [grad[i, : len(lp)] for i, (lp, *_) in enumerate(responses)]
+        assert_matches(objective, responses, "token-mean", loss, rows.__getitem__, weights)
 
 
 def test_bad_objective_input_is_refused():

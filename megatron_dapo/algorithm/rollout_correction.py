@@ -19,13 +19,13 @@ fixed from the responses before the step, so a correction never changes how much
 
 from __future__ import annotations
 
-
 import torch
 
 from megatron_dapo.choices import ROLLOUT_CORRECTIONS
 from megatron_dapo.config import Correction  # a mode and its bounds, as the config gives them
 
 SEQUENCE_MODES = ("seq_tis", "seq_mask")
+NO_CORRECTION = Correction()
 
 
 def correction_weight(
@@ -67,7 +67,7 @@ MISMATCH_KEYS = ("abs_sum", "kl_sum", "corrected", "tokens", "corrected_seqs", "
 def rollout_mismatch_sums(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
-    correction: Correction = Correction(),
+    correction: Correction = NO_CORRECTION,
     log_ratio_clamp: float = 20.0,
 ) -> torch.Tensor:
     """How far the rollout engine's policy is from the training policy, over one response's tokens.
@@ -93,7 +93,7 @@ def rollout_mismatch_sums(
     )
 
 
-def mismatch_metrics(sums: torch.Tensor, correction: Correction = Correction()) -> dict[str, float]:
+def mismatch_metrics(sums: torch.Tensor, correction: Correction = NO_CORRECTION) -> dict[str, float]:
     """Means for the logs from rollout_mismatch_sums' [6] totals (zero when no token had both logprobs):
     rollout/logp_mismatch_mean and rollout/kl per token; with a correction on, rollout/corrected_frac (the tokens
     capped or masked) and, for a sequence mode, rollout/corrected_seq_frac (the responses)."""

@@ -158,9 +158,7 @@ class AlgorithmConfig:
             "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
         )
         check(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, "a value >= 0")
-        check(
-            self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES}"
-        )
+        check(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES}")
         check(0 <= self.gspo_eps_low < 1, "algorithm.gspo_eps_low", self.gspo_eps_low, "a value in [0, 1)")
         check(self.gspo_eps_high >= 0, "algorithm.gspo_eps_high", self.gspo_eps_high, "a value >= 0")
         if self.eps_low_is is not None:

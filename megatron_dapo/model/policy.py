@@ -97,7 +97,9 @@ class MegatronPolicy:
         self.loss_impl = resolve_loss_impl(a.loss_impl, fused_here, a.policy_loss)
         self.loss_fn = policy_loss_fn(self.loss_impl, a.policy_loss)
         if fused_here and self.loss_impl == "reference" and a.loss_impl == "auto" and layout.rank == 0:
-            log.info("algorithm.loss_impl=auto: policy_loss=%s runs the PyTorch reference (no fused kernel)", a.policy_loss)
+            log.info(
+                "algorithm.loss_impl=auto: policy_loss=%s runs the PyTorch reference (no fused kernel)", a.policy_loss
+            )
         if a.policy_loss.startswith("gspo") and a.loss_agg_mode != "seq-mean-token-mean" and layout.rank == 0:
             log.warning(
                 "algorithm.policy_loss=%s with loss_agg_mode=%s weighs each response by its length; the GSPO paper "
