@@ -110,7 +110,7 @@ class Config:
             s.engine_sequences,
             f"at least algorithm.group_size={a.group_size} (an engine takes whole groups)",
         )
-        correction = a.rollout_correction or ("token_tis" if self.tis_cap() is not None else "none")
+        correction = self.rollout_correction().mode
         if correction.endswith("_tis"):
             check(
                 self.tis_cap() is not None,
