@@ -360,3 +360,30 @@ def test_torchrun_s_agent_dies_with_the_launcher():
         for side in sides:
             side.kill()
             side.wait()
+
+
+@pytest.mark.parametrize(
+    "train_exit, rollout_exit, blamed",
+    [
+        ("os.kill(os.getpid(), 9)", "time.sleep(1); sys.exit(1)", ("train", -9)),  # the rollout side saw it go
+        ("time.sleep(0.5); sys.exit(1)", "os.kill(os.getpid(), 9)", ("rollout", -9)),  # the rollout side died first
+        ("time.sleep(1); sys.exit(1)", "time.sleep(0.2); os.kill(os.getpid(), 9)", ("rollout", -9)),
+        ("sys.exit(0)", "time.sleep(0.3); sys.exit(0)", None),
+    ],
+)
+def test_the_local_launcher_blames_the_side_that_failed_first(train_exit, rollout_exit, blamed):
+    """`launch local`'s asynchronous sides as two stand-in processes: a train side killed -9 is blamed even when the
+    rollout side, losing its peer, exits 1 a second later (within the failure grace); a rollout side killed first is
+    blamed whichever exits next; both exiting 0 is a clean end."""
+    from megatron_dapo.launch.local import watch_sides
+
+    def side(code: str) -> subprocess.Popen:  # a session of its own, as the launcher starts each side
+        return subprocess.Popen([sys.executable, "-c", f"import os, sys, time; {code}"], start_new_session=True)
+
+    train, rollout = side(train_exit), side(rollout_exit)
+    try:
+        assert watch_sides(train, rollout) == blamed
+    finally:
+        for proc in (train, rollout):
+            proc.kill()
+            proc.wait()

@@ -140,7 +140,12 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
 
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(train, train_procs, n)) for s in STOP_SIGNALS}
 
-    def died(side: str, status: int, other: str) -> int:
+    try:
+        blamed = watch_sides(train, rollout)
+        if blamed is None:
+            return 0
+        side, status = blamed
+        other = "rollout" if side == "train" else "train"
         print(
             f"error: the {side} side exited with status {status}; the {other} side was stopped, "
             f"the last complete checkpoint (if any) is in {cfg.trainer.run_dir}/checkpoints",
@@ -148,31 +153,34 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             flush=True,
         )
         return 1
-
-    try:
-        while True:
-            if train.poll() is not None:
-                if train.returncode == 0:  # it asked the controller to stop: let it finish
-                    try:
-                        rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
-                    except subprocess.TimeoutExpired:
-                        kill_tree(rollout)
-                        return 0
-                    return 0 if rollout.returncode == 0 else died("rollout", rollout.returncode, "train")
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    rollout.wait(timeout=FAILURE_GRACE_S)
-                # a train side that failed because its peer was gone (a lost connection) exits first at times
-                if rollout.returncode is not None and rollout.returncode < 0 <= train.returncode:
-                    return died("rollout", rollout.returncode, "train")
-                kill_tree(rollout)  # it holds nothing the checkpoints need: the controller's state is in them
-                return died("train", train.returncode, "rollout")
-            if rollout.poll() is not None and rollout.returncode != 0:
-                kill_tree(train)  # its checkpoints are complete or absent, never half written
-                return died("rollout", rollout.returncode, "train")
-            time.sleep(0.2)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for proc in (train, rollout):
             if proc.poll() is None:
                 kill_tree(proc)
+
+
+def watch_sides(train: subprocess.Popen, rollout: subprocess.Popen) -> Optional[tuple[str, int]]:
+    """Wait for the asynchronous run's end. None: the train side exited 0 and the rollout side too (or was stopped
+    after ROLLOUT_EXIT_GRACE_S); else (the side to blame, its exit status), the other side stopped."""
+    while True:
+        if train.poll() is not None:
+            if train.returncode == 0:  # it asked the controller to stop: let it finish
+                try:
+                    rollout.wait(timeout=ROLLOUT_EXIT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    kill_tree(rollout)
+                    return None
+                return None if rollout.returncode == 0 else ("rollout", rollout.returncode)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rollout.wait(timeout=FAILURE_GRACE_S)
+            # a train side that failed because its peer was gone (a lost connection) exits first at times
+            if rollout.returncode is not None and rollout.returncode < 0 <= train.returncode:
+                return "rollout", rollout.returncode
+            kill_tree(rollout)  # it holds nothing the checkpoints need: the controller's state is in them
+            return "train", train.returncode
+        if rollout.poll() is not None and rollout.returncode != 0:
+            kill_tree(train)  # its checkpoints are complete or absent, never half written
+            return "rollout", rollout.returncode
+        time.sleep(0.2)
