@@ -28,6 +28,11 @@ SEQUENCE_MODES = ("seq_tis", "seq_mask")
 NO_CORRECTION = Correction()
 
 
+def _log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, log_ratio_clamp: float) -> torch.Tensor:
+    """[R] float64: log w = old_logp - rollout_logp per token, clamped so that exp() stays finite."""
+    return (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+
+
 def correction_weight(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor, correction: Correction, log_ratio_clamp: float = 20.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +51,7 @@ def correction_weight(
         )
     if mode != "none" and (high is None or high <= 0 or (mode not in ("token_tis", "seq_tis") and low is None)):
         raise ValueError(f"rollout correction {mode!r}: bounds low={low}, high={high} (need high > 0, and low)")
-    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
     if mode in SEQUENCE_MODES:  # the geometric mean, on every token of the response (1 for an empty response)
         log_w = log_w.mean().expand(log_w.shape) if log_w.numel() else log_w
     w = torch.exp(log_w)
@@ -79,7 +84,7 @@ def rollout_mismatch_sums(
     masked any token of the response; 1 (the response). Sums, so ranks, micro-batches and responses add them.
     """
     _, corrected = correction_weight(old_logp, rollout_logp, correction, log_ratio_clamp)
-    log_w = (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
     return torch.tensor(
         [
             float(log_w.abs().sum()),
