@@ -117,7 +117,6 @@ MEGATRON_JOB_FILES = (
 LONGEST_FILES = (
     "test_slurm_cluster.py",
     "test_launch.py",  # the first to ask for two_steps (built once, below); the files after it find it built
-    "test_launcher_death.py",
     "test_sampler_runs.py",
     "test_trainer.py",
     MEGATRON_JOB_FILES,  # the longest of make test-fast

@@ -1,8 +1,9 @@
-"""Run under torchrun (gloo, 2 ranks) by tests/test_exchange.py, as `exchange_worker.py MODE OUT_DIR`; each rank writes
-OUT_DIR/rank{r}.json. MODE exchange: gather summaries, deliver responses, write what arrived. MODE agreement: two
-dynamic-sampling loaders (a scripted engine per rank, one reward pool each) take two steps with the same seed on
-both ranks, then with a different seed on rank 1; write the groups each step trained and the error each raised. MODE
-free_steps: loaders whose engines run at different speeds, with and without sampler.lockstep."""
+"""Run under torchrun (gloo, 2 ranks) by tests/test_exchange.py, as `exchange_worker.py OUT_DIR`: one launch for
+every case; each rank writes OUT_DIR/rank{r}.json, {case: what it saw}. exchange: gather summaries, deliver
+responses, write what arrived. agreement: two dynamic-sampling loaders (a scripted engine per rank, one reward pool
+each) take two steps with the same seed on both ranks, then with a different seed on rank 1; write the groups each
+step trained and the error each raised. free_steps: loaders whose engines run at different speeds, with and without
+sampler.lockstep."""
 
 from __future__ import annotations
 
@@ -142,10 +143,10 @@ def free_steps(comm: Comm) -> dict:
     return out
 
 
-def main(mode: str, out_dir: str) -> None:
+def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     comm = Comm(dist.get_rank(), dist.get_world_size())
-    result = {"exchange": exchange, "agreement": agreement, "free_steps": free_steps}[mode](comm)
+    result = {case.__name__: case(comm) for case in (exchange, agreement, free_steps)}
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -27,19 +27,21 @@ def test_summaries_round_trip_through_a_float64_row():
     assert Comm().all_gather_rows(rows) is rows  # one process: nothing moves
 
 
-def _two_ranks(mode: str, out: Path) -> list[dict]:
-    """exchange_worker.py MODE under torchrun, 2 ranks with gloo: what each rank wrote."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """exchange_worker.py under torchrun, 2 ranks with gloo, every case in one launch: what each rank wrote."""
+    out = tmp_path_factory.mktemp("exchange")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run(
-        [*cmd, str(HERE / "exchange_worker.py"), mode, str(out)], env=env, capture_output=True, text=True, timeout=300
+        [*cmd, str(HERE / "exchange_worker.py"), str(out)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
-    ranks = _two_ranks("exchange", tmp_path)
+def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(two_ranks):
+    ranks = [r["exchange"] for r in two_ranks]
     want_metas = [meta(k).to_dict() for k in range(8)]
     for r, res in enumerate(ranks):
         assert res["metas"] == want_metas  # every rank, every group, in key order
@@ -58,10 +60,10 @@ def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(tmp_path):
         assert res["sent"] == 8 * sent > 0
 
 
-def test_ranks_whose_schedulers_disagree_raise_on_every_rank(tmp_path):
+def test_ranks_whose_schedulers_disagree_raise_on_every_rank(two_ranks):
     """Two loaders, one engine per rank: the same seed gives every rank the same batches; a different seed on rank 1
     (another prompt order) must raise after the first step on both ranks, each naming its own fingerprint."""
-    ranks = _two_ranks("agreement", tmp_path)
+    ranks = [r["agreement"] for r in two_ranks]
     same = [r["same"] for r in ranks]
     assert same[0]["error"] is None and same[1]["error"] is None
     assert same[0]["steps"] == same[1]["steps"] and [len(s) for s in same[0]["steps"]] == [3, 3]
@@ -75,12 +77,12 @@ def test_ranks_whose_schedulers_disagree_raise_on_every_rank(tmp_path):
     assert prints[0] != prints[1]
 
 
-def test_without_lockstep_a_fast_engine_generates_on_instead_of_waiting_at_the_tick(tmp_path):
+def test_without_lockstep_a_fast_engine_generates_on_instead_of_waiting_at_the_tick(two_ranks):
     """sampler.lockstep off: the faster rank's engine takes steps past tick_steps while the slower one finishes its
     own (sampler/free_steps, the same number on both ranks), both ranks still take the same batches; on, every
     engine takes exactly the tick's steps. Two ranks driving one engine (rollout.tp = 2) take the same steps, as its
     first rank decides, or vLLM's tensor-parallel step would hang."""
-    ranks = _two_ranks("free_steps", tmp_path)
+    ranks = [r["free_steps"] for r in two_ranks]
     free, lockstep, tp2 = ([r[case] for r in ranks] for case in ("free", "lockstep", "tp2"))
     for both in (free, lockstep, tp2):
         assert both[0]["steps"] == both[1]["steps"] and [len(s) for s in both[0]["steps"]] == [3, 3]

@@ -1,8 +1,9 @@
 """`python -m megatron_dapo.launch {local,slurm,ray}`: what each launcher computes, checked without running a job.
 
-Then the runs themselves: `launch local` (torchrun, DP = 2) against the one-process run, and `launch ray` on a real
-two-raylet Ray cluster against the torchrun run: DP = 2 through a worker killed -9, the asynchronous sides through
-SIGTERM and a second launch (slow). `launch slurm` runs on a real two-node Slurm cluster in tests/test_slurm_cluster.py.
+Then the runs themselves, `launch ray` on a real two-raylet Ray cluster against the one-process run: DP = 2 through a
+worker killed -9, the asynchronous sides through a driver killed -9 and SIGTERM (slow). `launch local` runs in
+tests/test_sampler_runs.py and tests/test_trainer.py, `launch slurm` on a real two-node Slurm cluster in
+tests/test_slurm_cluster.py.
 """
 
 from __future__ import annotations
@@ -184,48 +185,6 @@ def test_a_ray_restart_resumes_even_where_the_config_does_not():
 
 
 @pytest.fixture(scope="module")
-def dp2(two_steps, tmp_path_factory):
-    """two_steps' run at DP = 2, started by `python -m megatron_dapo.launch local --nproc-per-node 2` (torchrun, a
-    local rendezvous): (run directory, finished process). The Ray launcher's runs below are compared with it."""
-    overrides, _, _ = two_steps
-    run = tmp_path_factory.mktemp("dp2") / "run"
-    launch = [sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*launch, *overrides, f"trainer.run_dir={run}"], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return run, proc
-
-
-@pytest.mark.slow
-def test_data_parallel_run_matches_the_one_process_run(two_steps, dp2):
-    """`launch local`'s torchrun, 2 ranks, tp=pp=1: DP=2 with two vLLM engines, fed groups on demand by the scheduler. (A DP = 2
-    resume is tests/test_checkpoint.py's, the next step bit for bit, and the eta = 1 test's below, end to end.)
-
-    Groups are seeded by their submission number and stream mode trains the first informative groups in
-    submission order, so the trained samples do not depend on the number of engines; without dynamic
-    sampling nothing is requeued either, so rewards and every count are those of the 1-process run
-    exactly, and each response crosses to the rank that trains it. The losses, ratios, grad norm and logprob mismatch agree
-    within fp32 rounding, not bit for bit: each rank sums its half of a mini-batch (in its own
-    micro-batch shapes) before the DP all-reduce adds the halves, so the sums are associated
-    differently, and step 2 then starts from weights that differ in the last bits.
-    """
-    _, ref_run, _ = two_steps
-    run, proc = dp2
-    assert proc.stdout.count("step 2 | reward") == 1  # rank 0 alone reports
-    assert all(m["sampler/bytes_moved"] == 0 for m in metrics(ref_run))
-    # the summaries reach both ranks; here each DP rank's share happens to come from its own engine (tested apart)
-    assert all(m["sampler/bytes_gathered"] > 0 for m in metrics(run))
-    want, got = [comparable(m) for m in metrics(ref_run)], [comparable(m) for m in metrics(run)]
-    assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
-    same_up_to_fp32_sums(want, got)
-    assert sorted(p.name for p in (run / "checkpoints" / "step_00000002" / "state").iterdir()) == [
-        "rank00000.pt",
-        "rank00001.pt",
-    ]
-
-
-@pytest.fixture(scope="module")
 def ray_cluster():
     """A real Ray cluster of two nodes on this machine (tests/ray_helpers.py): each with one `test_gpu`; the second
     also declares two GPUs it does not have. Stopped after this module's tests, with nothing left to kill."""
@@ -274,12 +233,24 @@ def _worker_nodes(text: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_from_its_checkpoint(ray_cluster, two_steps, dp2, tmp_path):
+def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_and_matches_the_one_process_run(
+    ray_cluster, two_steps, tmp_path
+):
     """`launch ray --nodes 2 --gpus-per-node 1`: one worker on each Ray node (one placement group, a bundle per node),
-    DP = 2. Rank 1's trainer is killed (SIGKILL) once step 1 is saved: the launcher says why, stops rank 0 and starts
-    both again from step 1; the finished run is the torchrun DP = 2 run (dp2) step for step, held-out evaluation
-    included."""
-    overrides, _, _ = two_steps
+    DP = 2 with two vLLM engines, fed groups on demand by the scheduler. Rank 1's trainer is killed (SIGKILL) once
+    step 1 is saved: the launcher says why, stops rank 0 and starts both again from step 1 (a resume is bit for bit:
+    tests/test_checkpoint.py), and the finished run is two_steps' one-process run step for step, held-out evaluation
+    included.
+
+    Groups are seeded by their submission number and stream mode trains the first informative groups in submission
+    order, so the trained samples do not depend on the number of engines; without dynamic sampling nothing is
+    requeued either, so rewards and every count are those of the 1-process run exactly, and each response crosses to
+    the rank that trains it. The losses, ratios, grad norm and logprob mismatch agree within fp32 rounding, not bit
+    for bit: each rank sums its half of a mini-batch (in its own micro-batch shapes) before the DP all-reduce adds the
+    halves, so the sums are associated differently, and step 2 then starts from weights that differ in the last
+    bits. (`launch local`'s torchrun at DP = 2 is tests/test_sampler_runs.py's two-engine run.)
+    """
+    overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
     args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, "--max-restarts", "1"]
     proc = _launch_ray(ray_cluster, out, *args, *overrides, f"trainer.run_dir={run}")
@@ -296,51 +267,56 @@ def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_from_its_checkpoint(r
     )
     assert re.search(why, text, re.M), text[-4000:]
     assert "resumed from step 1" in text and text.count("[rank 0] step 2 | reward") == 1
-    want, got = [comparable(m) for m in metrics(dp2[0])], [comparable(m) for m in metrics(run)]
+    assert "[rank 1] step " not in text  # rank 0 alone reports
+    assert all(m["sampler/bytes_moved"] == 0 for m in metrics(ref_run))
+    # the summaries reach both ranks; here each DP rank's share happens to come from its own engine (tested apart)
+    assert all(m["sampler/bytes_gathered"] > 0 for m in metrics(run))
+    want, got = [comparable(m) for m in metrics(ref_run)], [comparable(m) for m in metrics(run)]
     assert [m["step"] for m in got] == [1.0, 2.0] and got[1]["eval/problems"] == 5
     same_up_to_fp32_sums(want, got)
+    assert sorted(p.name for p in (run / "checkpoints" / "step_00000002" / "state").iterdir()) == [
+        "rank00000.pt",
+        "rank00001.pt",
+    ]
 
 
 @pytest.mark.slow
-def test_ray_async_sides_on_two_nodes_save_on_sigterm_and_the_next_launch_resumes(ray_cluster, two_steps, tmp_path):
+def test_ray_async_sides_on_two_nodes_die_with_a_killed_driver_and_save_on_sigterm(ray_cluster, two_steps, tmp_path):
     """pipeline.mode=async on the Ray cluster: one rollout worker and one train worker, each on a node of its own,
-    meeting at the rollout node's ports. SIGTERM to the launcher once step 1 is saved: the train side saves the step
-    in flight and stops the controller, every worker exits 0, so does the launcher. The next launch's driver is
-    killed -9 once its trainer took the run directory's lock: within 30 s no trainer of the run is left (found by
-    its command line, as orphans are adopted by init). The third launch takes the dead trainer's writer lock over
-    (where it was left), resumes and finishes, each step once. At eta = 0 its steps are two_steps' one-process steps."""
+    meeting at the rollout node's ports. The driver is killed -9 once step 1 is saved: Ray ends the job's actors and
+    each trainer dies with its actor, so within 30 s no trainer of the run is left (found by its command line, as
+    orphans are adopted by init). The next launch takes the dead trainer's writer lock over (where it was left) and
+    resumes; SIGTERM to it once it saved a step: the train side saves the step in flight and stops the controller,
+    every worker exits 0, so does the launcher. At eta = 0 its first two steps are two_steps' one-process steps."""
     overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
-    split = ["pipeline.mode=async", "sampler.max_staleness=0", "trainer.total_steps=3", f"trainer.run_dir={run}"]
+    split = ["pipeline.mode=async", "sampler.max_staleness=0", "trainer.total_steps=6", f"trainer.run_dir={run}"]
     args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, *overrides, *split]
     proc = _launch_ray(ray_cluster, out, *args)
     wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1's checkpoint", proc=proc)
-    proc.send_signal(signal.SIGTERM)
-    text = _ray_finished(proc, out, run)
-    assert proc.returncode == 0, text[-4000:]
-    nodes = dict(_worker_nodes(text))
-    assert list(nodes) == ["rollout 0", "train 0"] and nodes["rollout 0"] != nodes["train 0"], nodes
-    assert "[launch] SIGTERM: asking the trainers to save and exit" in text
-    assert f"[train 0] SIGTERM: saved {run / 'checkpoints' / 'step_00000002'} at step 2; exiting" in text, text[-4000:]
-    assert "[launch] SIGTERM: every trainer saved and exited; launch again to resume" in text
-
-    # the next driver killed -9 once its trainers run: Ray ends the job's actors, and each trainer dies with its actor
-    out2 = tmp_path / "launch2.out"
-    proc = _launch_ray(ray_cluster, out2, *args)
-    wait_until(lambda: "starting: config" in out2.read_text(), what="the trainer took the lock", proc=proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_until(lambda: not _trainers(run), timeout=30, what="no trainer of the killed driver's job left")
-    assert not (run / "checkpoints" / "step_00000003").exists()
+    nodes = dict(_worker_nodes(out.read_text()))
+    assert list(nodes) == ["rollout 0", "train 0"] and nodes["rollout 0"] != nodes["train 0"], nodes
+    saved = max(int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE"))
     left = (run / LOCK_NAME).is_file()  # killed with its actor (the lock stays), or out through its `finally` first
 
-    out3 = tmp_path / "launch3.out"
-    proc = _launch_ray(ray_cluster, out3, *args)
-    text = _ray_finished(proc, out3, run)
-    assert proc.returncode == 0 and "resumed from step 2" in text, text[-4000:]
+    out2 = tmp_path / "launch2.out"
+    proc = _launch_ray(ray_cluster, out2, *args)
+    wait_until((run / "checkpoints" / f"step_{saved + 1:08d}" / "COMPLETE").is_file, what="a step saved", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    text = _ray_finished(proc, out2, run)
+    assert proc.returncode == 0 and f"resumed from step {saved}" in text, text[-4000:]
     assert ("took over the writer lock of pid " in text) == left  # a lock the killed job's trainer left is taken over
+    assert "[launch] SIGTERM: asking the trainers to save and exit" in text
+    saved_at = rf"^\[train 0\] SIGTERM: saved {re.escape(str(run))}/checkpoints/step_(\d+) at step (\d+); exiting$"
+    stopped = re.search(saved_at, text, re.M)
+    assert stopped and int(stopped.group(1)) == int(stopped.group(2)) > saved, text[-4000:]
+    assert "[launch] SIGTERM: every trainer saved and exited; launch again to resume" in text
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [1.0, 2.0, 3.0] and (run / "FINISHED").read_text().strip() == "3"
+    assert [m["step"] for m in lines] == [float(k) for k in range(1, int(stopped.group(2)) + 1)]  # each step once
+    assert not (run / "FINISHED").exists() and not (run / LOCK_NAME).exists()
     assert all(m["weight_transport/gb"] > 0 for m in lines)
     same_up_to_fp32_sums([comparable(m) for m in metrics(ref_run)], [comparable(m) for m in lines[:2]])
 

@@ -1,9 +1,9 @@
 """Nothing of a run outlives its launcher, and a run directory has one live writer (megatron_dapo/launch/lifeline.py,
-megatron_dapo/launch/writer_lock.py): the lock's rules in this process and in racing processes, then the launcher
-killed -9 (its process group, as a terminal's hang-up or a batch system does) with the asynchronous sides at eta = 1,
-the train side under torchrun (`launch local --nproc-per-node 3`): within 10 s no process of the run is left (found by
-the run's tag, as orphans are adopted by init), and the next launch takes the lock over and resumes, each step
-once."""
+megatron_dapo/launch/writer_lock.py): the lock's rules in this process and in racing processes, the launcher watch and
+torchrun's parent-death signal with stand-in processes, and which side the local launcher blames. A real run's
+launcher killed -9 (the asynchronous sides at eta = 1, the train side under torchrun), after which nothing of the run
+is left within 10 s and the next launch takes the lock over and resumes, is one stage of
+tests/test_sampler_runs.py's asynchronous end-to-end test."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import metrics, python_path, wait_until
+from run_helpers import python_path, wait_until
 
 from megatron_dapo.launch import writer_lock
 from megatron_dapo.launch.lifeline import RUN_TAG_ENV, launcher_alive, start_time
@@ -190,111 +190,6 @@ def test_of_racing_starters_one_wins(tmp_path, stale):
     winner = json.loads((run / LOCK_NAME).read_text())
     assert winner["tag"] == f"racer{said.index('won')}"
     assert sorted(os.listdir(run)) == [LOCK_NAME]  # nothing left aside
-
-
-# ----------------------------------------------------------------------------- the launcher killed -9
-
-
-def _tagged(tag: str) -> dict[int, str]:
-    """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
-    entry = f"{RUN_TAG_ENV}={tag}".encode()
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
-                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-        except OSError:
-            continue
-    return found
-
-
-def _descendants(pid: int) -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-
-
-def _newest_complete(run: Path) -> int:
-    return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
-
-
-def _kill_launcher_then_resume(
-    cmd: list[str], env: dict[str, str], run: Path, tmp_path: Path, total: int, ranks: int
-) -> str:
-    """Start cmd (a launcher) in a session of its own, kill -9 its process group once step 1 is saved and a reward
-    worker and `ranks` torchrun ranks run, check that every process of the run is gone within 10 s, relaunch with
-    trainer.resume=true and return its stderr once it finished."""
-    log = (tmp_path / "first.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1 saved", proc=proc)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        environ = Path(f"/proc/{children[0]}/environ").read_text().split("\0")
-        tag = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{RUN_TAG_ENV}="))  # the launcher's
-        wait_until(lambda: any("multiprocessing" in c for c in _tagged(tag).values()), what="a reward worker")
-        under = _descendants(proc.pid)
-        before = _tagged(tag)
-        assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
-        assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
-        assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= ranks, before
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = time.monotonic()
-    try:
-        wait_until(lambda: not _tagged(tag), timeout=10, what="no process of the run left")
-    finally:
-        for pid in _tagged(tag):  # never leave them running for the rest of the suite
-            os.kill(pid, signal.SIGKILL)
-    assert time.monotonic() - killed_at < 10
-    saved = _newest_complete(run)
-    assert 1 <= saved < total
-    # Rank 0 either went with its own watch (os._exit: the lock stays, for the relaunch to take over) or first saw a
-    # peer gone and left through its `finally` (the lock released): which one comes first is a race.
-    left = (run / LOCK_NAME).is_file()
-
-    again = subprocess.run([*cmd, "trainer.resume=true"], env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
-    assert f"resumed from step {saved}" in again.stderr
-    took_over = "took over the writer lock of pid " in again.stderr
-    assert took_over == left and (not left or "(it is not running on this host)" in again.stderr), again.stderr[-3000:]
-    assert [m["step"] for m in metrics(run)] == [float(k) for k in range(1, total + 1)]  # each step once
-    assert not (run / LOCK_NAME).exists()  # released at the clean exit
-    return again.stderr
-
-
-@pytest.mark.slow
-def test_async_sides_and_torchrun_ranks_die_with_a_killed_launcher_and_the_next_launch_resumes(two_steps, tmp_path):
-    """`launch local --nproc-per-node 3 pipeline.mode=async` at eta = 1 (the controller collects ahead): a rollout
-    side of one process (engine, reward pool) and a train side under torchrun (its agent and two ranks). Its process
-    group killed -9 after step 1's save: torchrun's agent dies with the launcher (parent-death signal), the ranks and
-    the rollout process see the launcher gone, and with their workers all stop within 10 s; the relaunch takes the
-    dead writer's lock over, resumes from the newest complete checkpoint and trains each step once, every prompt
-    visit of the surviving steps counted once in its prompt memory. One run for both cases the issue names (the
-    asynchronous sides, torchrun's ranks): one launch's start-up less in the suite."""
-    import torch
-
-    overrides, _, _ = two_steps
-    run = tmp_path / "run"
-    swap = {"algorithm.dynamic_sampling=false": "algorithm.dynamic_sampling=true", "eval.every=2": "eval.every=0"}
-    total = 3
-    cmd = [
-        sys.executable, "-m", "megatron_dapo.launch", "local", "--nproc-per-node", "3",
-        *[swap.get(o, o) for o in overrides],
-        "reward.verifier=reward_helpers:one_in_four",  # informative groups at random, so prompt memory records
-        "sampler.skip=true", "sampler.skip_adapt=1.0", f"trainer.total_steps={total}", "trainer.tensorboard=false",
-        "pipeline.mode=async", "sampler.max_staleness=1", f"trainer.run_dir={run}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(Path(__file__).parent)}
-    _kill_launcher_then_resume(cmd, env, run, tmp_path, total, ranks=2)
-    lines = metrics(run)
-    last = torch.load(run / "checkpoints" / f"step_{total:08d}" / "state" / "rank00000.pt", weights_only=False)
-    visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
-    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
 
 
 def test_a_trainer_process_stops_with_its_launcher_and_its_children(tmp_path):

@@ -1,14 +1,16 @@
 """End-to-end runs whose sampler carries state from step to step (dynamic sampling, partial rollout's paused groups,
 informative groups carried to the next batch, the prompt memory, truncated IS, KL to the reference as a loss term):
 an uninterrupted 5-step run, the same run split into its asynchronous sides and killed -9 in the middle of a weight
-update then resumed colocated, the asynchronous pipeline ahead of training through kill -9 and SIGTERM, and two
-engines in two processes with partial rollout."""
+update then resumed colocated, the asynchronous pipeline ahead of training through a side's kill -9, its launcher's
+kill -9 (nothing of the run outlives it) and SIGTERM, and two engines in two processes with partial rollout."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,8 @@ import torch
 from run_helpers import comparable, metrics, python_path, run_train, wait_until
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
+from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
+from megatron_dapo.launch.writer_lock import LOCK_NAME
 
 
 def _ends_early(model_dir: Path) -> Path:
@@ -167,31 +171,36 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
 
 
 @pytest.mark.slow
-def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uninterrupted, tmp_path):
+def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigterm_each_visit_once(
+    uninterrupted, tmp_path
+):
     """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
     in flight) with two train ranks (launch local --nproc-per-node 3: torchrun for the train side):
 
     1. the rollout process kills itself (DAPO_FAULT) in the middle of taking update 3, once its engine has taken
        the update's second bucket: the run stops at once with one error line, no process of the train side left
        (torchrun's ranks run in sessions of their own), its last complete checkpoint step 2's or step 3's;
-    2. resumed, and SIGTERM to the launcher once it has saved a step: the train side saves, stops the controller,
-       exits 0.
+    2. resumed, and the launcher's process group killed -9 (a terminal's hang-up, an OOM kill of the launcher)
+       once the next step is saved and a reward worker and both ranks run: torchrun's agent dies with the launcher
+       (parent-death signal), the ranks and the rollout process see the launcher gone, and with their workers all
+       stop within 10 s (found by the run's tag, as orphans are adopted by init);
+    3. resumed again, taking the dead writer's lock over where it was left, and SIGTERM to the launcher once it has
+       saved a step: the train side saves, stops the controller, exits 0 and releases the lock.
 
     When an update lands depends on timing, so no run equals another step for step; what must hold is checked from
-    the run's own record: each batch is trained by the weights of its index (an update is applied before the batch
-    that needs it is handed out), tokens were trained a version after they were sampled (the overlap happened),
-    each step's generated tokens are counted once, and the prompt memory in the last checkpoint counts exactly the
-    groups the surviving steps generated: every visit trained or rejected once, none from the killed run's lost
-    steps and none of the batch collected after the last one leaked into the saved state.
+    the run's own record: each step trained once, each batch by the weights of its index (an update is applied
+    before the batch that needs it is handed out), tokens were trained a version after they were sampled (the
+    overlap happened), each step's generated tokens are counted once, and the prompt memory in the last checkpoint
+    counts exactly the groups the surviving steps generated: every visit trained or rejected once, none from the
+    killed runs' lost steps and none of the batch collected after the last one leaked into the saved state.
     """
-    import signal
-
     import psutil
 
     cmd, env, _, _ = uninterrupted
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
     ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc-per-node", "3"]
+    ahead.append("trainer.total_steps=9")  # never reached: the last launch is stopped by SIGTERM
     crash = {**env, "DAPO_FAULT": "receive:3:1"}
     proc = subprocess.Popen(
         [*launch_local(cmd), *ahead], env=crash, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -204,24 +213,31 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     assert len(train_side) >= 3 and not [pid for pid in train_side if _running(pid)]  # torchrun, 2 ranks, workers
     # update 3 follows step 3's training; its buckets may all fit in the socket's buffer, so the train side may
     # save step 3 before it learns that the receiver is gone (a complete step either way)
-    saved = max(int(p.parent.name.split("_")[1]) for p in ckpt.glob("step_*/COMPLETE"))
+    saved = _newest_complete(run)
     assert saved in (2, 3) and not (ckpt / "step_00000004").exists()
+
+    killed = _kill_launcher(launch_local(cmd) + ahead, env, run, tmp_path / "killed.log", after=saved + 1)
+    assert killed > saved
+    left = (run / LOCK_NAME).is_file()  # rank 0 went with its own watch (the lock stays) or out through `finally`
 
     proc = subprocess.Popen(
         [*launch_local(cmd), *ahead], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    wait_until((ckpt / f"step_{saved + 1:08d}" / "COMPLETE").is_file, what=f"step {saved + 1}", proc=proc)
+    wait_until((ckpt / f"step_{killed + 1:08d}" / "COMPLETE").is_file, what=f"step {killed + 1}", proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
-    assert f"resumed from step {saved}" in err and "SIGTERM: saved" in out
+    assert f"resumed from step {killed}" in err and "SIGTERM: saved" in out
+    took_over = "took over the writer lock of pid " in err
+    assert took_over == left and (not left or "(it is not running on this host)" in err), err[-3000:]
+    assert not (run / LOCK_NAME).exists()  # released at the clean exit
     lines = metrics(run)
     stopped_at = len(lines)
-    assert saved < stopped_at < 5 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
-    assert [m["step"] for m in lines] == [float(k) for k in range(1, stopped_at + 1)]
+    assert killed < stopped_at < 9 and (ckpt / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
+    assert [m["step"] for m in lines] == [float(k) for k in range(1, stopped_at + 1)]  # each step once
     assert [m["pipeline/weights_version"] for m in lines] == [float(k) for k in range(stopped_at)]
-    # evaluated after step 2 (and 4) by the rollout side, at the batch boundary after those weights landed
-    assert [("eval/avg_at_k" in m) for m in lines] == [k in (2, 4) for k in range(1, stopped_at + 1)]
+    # evaluated after every second step by the rollout side, at the batch boundary after those weights landed
+    assert [("eval/avg_at_k" in m) for m in lines] == [k % 2 == 0 for k in range(1, stopped_at + 1)]
     assert all(m["eval/k"] == 3 and m["eval/problems"] == 5 for m in lines if "eval/k" in m)
     assert all(m["pipeline/updates"] >= 1 and m["pipeline/update_pause_s"] > 0 for m in lines)
     assert max(m["staleness/max"] for m in lines) >= 1  # sampled by the weights before the ones training it
@@ -230,14 +246,14 @@ def test_async_ahead_of_training_survives_kill_9_and_sigterm_each_visit_once(uni
     assert all(m["tokens/generated"] == sum(m[f"tokens/{p}"] for p in parts) > 0 for m in lines)
     last = torch.load(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt", weights_only=False)
     visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
-    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines))
+    assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
 
 
 @pytest.mark.slow
 def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
-    """torchrun, DP=2: each rank's engine streams its groups, pauses them at the sync and continues them; the
-    schedulers' fingerprints are compared after every step (a disagreement raises), and responses a rank did not
-    generate reach it as tensors."""
+    """`launch local --nproc-per-node 2` (torchrun), DP=2: each rank's engine streams its groups, pauses them at the
+    sync and continues them; the schedulers' fingerprints are compared after every step (a disagreement raises), and
+    responses a rank did not generate reach it as tensors."""
     overrides = [
         *_informative_at_random(tmp_path, tiny_qwen2),
         "sampler.partial_rollout=true",
@@ -257,7 +273,8 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
         "trainer.tensorboard=false",
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
-    run_train(overrides, nproc=2, PYTHONPATH=python_path(Path(__file__).parent))  # the verifier, for every worker
+    # `launch local`'s torchrun for a colocated run; PYTHONPATH: the verifier, for every worker
+    run_train([*overrides, "--nproc-per-node", "2"], launcher="local", PYTHONPATH=python_path(Path(__file__).parent))
     lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1.0, 2.0]
     assert sum(m["sampler/paused"] for m in lines) > 0 and sum(m["sampler/resumed"] for m in lines) > 0
@@ -291,3 +308,55 @@ def _child_with(pid: int, env_entry: str) -> int:
     found = [int(c) for c in children if env_entry.encode() in Path(f"/proc/{c}/environ").read_bytes().split(b"\0")]
     assert len(found) == 1, (pid, env_entry, children)
     return found[0]
+
+
+def _newest_complete(run: Path) -> int:
+    return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
+    entry = f"{RUN_TAG_ENV}={tag}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+    return found
+
+
+def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, after: int) -> int:
+    """Start cmd (`launch local`, two torchrun ranks) in a session of its own, kill -9 its process group once step
+    `after` is saved and a reward worker and both ranks run, check that every process of the run is gone within
+    10 s; returns the newest complete checkpoint's step."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until((run / "checkpoints" / f"step_{after:08d}" / "COMPLETE").is_file, what=f"step {after}", proc=proc)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        environ = Path(f"/proc/{children[0]}/environ").read_text().split("\0")
+        tag = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{RUN_TAG_ENV}="))  # the launcher's
+        wait_until(lambda: any("multiprocessing" in c for c in _tagged(tag).values()), what="a reward worker")
+        under = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        before = _tagged(tag)
+        assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
+        assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
+        assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= 2, before
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = time.monotonic()
+    try:
+        wait_until(lambda: not _tagged(tag), timeout=10, what="no process of the run left")
+    finally:
+        for pid in _tagged(tag):  # never leave them running for the rest of the suite
+            os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - killed_at < 10
+    return _newest_complete(run)

@@ -185,76 +185,62 @@ def launch_job(cluster: dict, tiny: dict, run: Path, *extra: str, nodes: int, **
     return proc.stdout.strip().splitlines()[-1].split(";")[0]
 
 
-ASYNC = {"ROLLOUT_NODES": "1"}
-"""An asynchronous job on two nodes: the engine and the rollout controller on the first, the trainer on the second."""
-
-
-@pytest.fixture(scope="module")
-def finished(cluster, tiny) -> tuple[Path, str]:
-    """An uninterrupted asynchronous job on two nodes (two slurmd on this machine) at eta = 0, submitted by
-    `launch slurm`: (run directory, job id). (Async at eta = 0 takes a colocated run's steps: tests/test_sampler_runs.py.)"""
-    run = tiny["root"] / "jobs" / "full"
-    split = ["pipeline.mode=async", "pipeline.rollout_gpus=1", "sampler.max_staleness=0"]  # ROLLOUT_NODES=1
-    job_id = launch_job(cluster, tiny, run, *split, nodes=2, TRANSPORT_PORT=_transport())
-    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-    assert info["JobState"] == "COMPLETED", (info, (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()[-3000:])
-    return run, job_id
-
-
 def _transport() -> str:
     """The rollout controller's two ports, free now (both slurmd run on this machine)."""
     return str(free_port_pair())
 
 
-def test_a_job_runs_to_completed(cluster, finished):
-    """ROLLOUT_NODES=1 of a 2-node job: two srun steps, one torchrun each, meeting at the rollout controller
-    (pipeline.mode=async), run to the end; the train side reports, the weights went over the transport."""
-    run, job_id = finished
-    info = job(cluster, job_id)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0")
+def _reference(cluster: dict, tiny: dict, run: Path) -> subprocess.Popen:
+    """The same training in one local process, colocated (an asynchronous run at eta = 0 takes a colocated run's
+    steps: tests/test_sampler_runs.py), started now to run beside the job; the job's metrics are compared with it."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    config = ["--config", str(REPO / tiny["variables"]["CONFIG"])]
+    paths = [f"model.hf_path={tiny['model']}", f"data.train_files=[{tiny['data']}]", f"trainer.run_dir={run}"]
+    cmd = [sys.executable, "-m", "megatron_dapo.train", *config, *paths, "eval.every=0", *tiny["overrides"]]
+    env = {**cluster, "PYTHONPATH": tiny["variables"]["PYTHONPATH"]}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=(run.parent / "reference.err").open("w"))
+
+
+def test_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny):
+    """ROLLOUT_NODES=1 of a 2-node job submitted by `launch slurm`: two srun steps, one torchrun each, meeting at the
+    rollout controller (pipeline.mode=async, eta = 0). USR1 to its batch shell after the first step reaches the train
+    step only: it saves, stops the controller, the job is requeued, and the next attempt resumes and runs to the end,
+    step for step the uninterrupted run (sbatch's one resume end to end; tests/test_slurm.py checks the batch
+    script's signal logic alone)."""
+    run, ref = tiny["root"] / "jobs" / "two_nodes_usr1", tiny["root"] / "jobs" / "reference"
+    reference = _reference(cluster, tiny, ref)
+    try:
+        split = ["pipeline.mode=async", "pipeline.rollout_gpus=1", "sampler.max_staleness=0"]  # ROLLOUT_NODES=1
+        job_id = launch_job(cluster, tiny, run, *split, nodes=2, TRANSPORT_PORT=_transport())
+        wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
+        info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
+        assert reference.wait(timeout=600) == 0, (ref.parent / "reference.err").read_text()[-3000:]
+    finally:
+        reference.kill()
+        reference.wait()
+    out = (run.parent / f"dapo-qwen32b-{job_id}.out").read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, out[-3000:])
     assert info["NodeList"] == f"{HOST},{HOST}-2", info
-    assert (run / "FINISHED").read_text().strip() == str(STEPS)
-    assert [m["step"] for m in metrics(run)] == [float(s) for s in range(1, STEPS + 1)]
-    log = batch_log(run, job_id)
-    assert f"run finished at step {STEPS}" in log and "async: 1 of them rollout" in log
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    first = batch_log(run, job_id, 0)
+    assert "got SIGUSR1" in first and "requeueing job" in first and "async: 1 of them rollout" in first, first
+    saved = int(first.split("saved step_")[1].split()[0])
+    assert 1 <= saved < STEPS, first
     attempt = run / "logs" / job_id / "attempt_0"
     rollout, train = (attempt / "rollout_node0.log").read_text(), (attempt / "train_node0.log").read_text()
     assert "[default0]:" in rollout and "step 1 |" in train and "step 1 |" not in rollout  # the train side reports
-    assert all(m["weight_transport/gb"] > 0 for m in metrics(run))
-
-
-def usr1_requeue(cluster: dict, tiny: dict, run: Path, reference: Path, *extra: str, **variables: str) -> str:
-    """Start a 2-node job, USR1 its batch shell after the first step, check the requeued attempt against reference;
-    returns the job id."""
-    job_id = train_job(cluster, tiny, run, *extra, nodes=2, **variables)
-    wait_until(lambda: len(metrics(run)) >= 1, what="the first step of the job")
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
-    info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
-    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), info
-    first = batch_log(run, job_id, 0)
-    assert "got SIGUSR1" in first and "requeueing job" in first, first
-    saved = int(first.split("saved step_")[1].split()[0])
-    assert 1 <= saved < STEPS, first
-    assert f"latest checkpoint: step_{saved:08d}" in batch_log(run, job_id, 1)
+    assert "SIGUSR1: saved" in train
+    last = batch_log(run, job_id, 1)
+    assert f"latest checkpoint: step_{saved:08d}" in last and f"run finished at step {STEPS}" in last, last
     # the trainer itself resumed (a run that started again from scratch would end with the same metrics)
     again = "".join(p.read_text() for p in (run / "logs" / job_id / "attempt_1").glob("*node0.log"))
     assert f"resumed from step {saved}" in again and f"step {saved} |" not in again, again[-3000:]
+    assert (run / "FINISHED").read_text().strip() == str(STEPS)
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
     got = [comparable(m) for m in metrics(run)]
     assert [m["step"] for m in got] == [float(s) for s in range(1, STEPS + 1)]  # each step once
-    assert got == [comparable(m) for m in metrics(reference)]
-    return job_id
-
-
-def test_two_nodes_usr1_saves_requeues_and_the_next_attempt_resumes_step_for_step(cluster, tiny, finished):
-    """USR1 to the batch shell of the 2-node asynchronous job after its first step reaches the train step only: it
-    saves, stops the controller, the job is requeued, and the next attempt resumes step for step (sbatch's one
-    resume end to end; tests/test_slurm.py checks the batch script's signal logic alone)."""
-    run = tiny["root"] / "jobs" / "two_nodes_usr1"
-    job_id = usr1_requeue(
-        cluster, tiny, run, finished[0], "sampler.max_staleness=0", **ASYNC, TRANSPORT_PORT=_transport()
-    )
-    assert "SIGUSR1: saved" in (run / "logs" / job_id / "attempt_0" / "train_node0.log").read_text()
+    assert got == [comparable(m) for m in metrics(ref)]
+    assert all(m["weight_transport/gb"] > 0 for m in metrics(run))  # the weights went over the transport
 
 
 def test_usr1_before_any_checkpoint_is_not_requeued(cluster, tiny):
