@@ -53,6 +53,11 @@ def same_up_to_fp32_sums(want: list[dict], got: list[dict]) -> None:
                 assert g[k] == v, k
 
 
+def newest_complete(run: Path) -> int:
+    """The step of run's newest complete checkpoint (0 when none is)."""
+    return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
+
+
 def metrics(run: Path) -> list[dict]:
     """run_dir/metrics.jsonl, one dict per line; [] before the first step has written one."""
     path = run / "metrics.jsonl"

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 from ray_helpers import RESOURCE, start_cluster, stop_cluster
-from run_helpers import comparable, metrics, python_path, same_up_to_fp32_sums, session_survivors, wait_until
+from run_helpers import (
+    comparable,
+    metrics,
+    newest_complete,
+    python_path,
+    same_up_to_fp32_sums,
+    session_survivors,
+    wait_until,
+)
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.launch.ray_cluster import Slot, forwarded_env, node_devices, slots_for, world_env
@@ -299,7 +307,7 @@ def test_ray_async_sides_on_two_nodes_die_with_a_killed_driver_and_save_on_sigte
     wait_until(lambda: not _trainers(run), timeout=30, what="no trainer of the killed driver's job left")
     nodes = dict(_worker_nodes(out.read_text()))
     assert list(nodes) == ["rollout 0", "train 0"] and nodes["rollout 0"] != nodes["train 0"], nodes
-    saved = max(int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE"))
+    saved = newest_complete(run)
     left = (run / LOCK_NAME).is_file()  # killed with its actor (the lock stays), or out through its `finally` first
 
     out2 = tmp_path / "launch2.out"

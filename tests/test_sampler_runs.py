@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_helpers import comparable, metrics, python_path, run_train, wait_until
+from run_helpers import comparable, metrics, newest_complete, python_path, run_train, wait_until
 
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
@@ -213,7 +213,7 @@ def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigt
     assert len(train_side) >= 3 and not [pid for pid in train_side if _running(pid)]  # torchrun, 2 ranks, workers
     # update 3 follows step 3's training; its buckets may all fit in the socket's buffer, so the train side may
     # save step 3 before it learns that the receiver is gone (a complete step either way)
-    saved = _newest_complete(run)
+    saved = newest_complete(run)
     assert saved in (2, 3) and not (ckpt / "step_00000004").exists()
 
     killed = _kill_launcher(launch_local(cmd) + ahead, env, run, tmp_path / "killed.log", after=saved + 1)
@@ -310,10 +310,6 @@ def _child_with(pid: int, env_entry: str) -> int:
     return found[0]
 
 
-def _newest_complete(run: Path) -> int:
-    return max((int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE")), default=0)
-
-
 def _tagged(tag: str) -> dict[int, str]:
     """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
     entry = f"{RUN_TAG_ENV}={tag}".encode()
@@ -359,4 +355,4 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
         for pid in _tagged(tag):  # never leave them running for the rest of the suite
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - killed_at < 10
-    return _newest_complete(run)
+    return newest_complete(run)
