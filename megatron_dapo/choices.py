@@ -66,6 +66,17 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 RECOMPUTE_METHODS = ("selective", "full")
 """model.recompute: the attention core only, or whole layers (null: no activation recompute)."""
 
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+"""model.moe_router_dtype: the precision of the router's logits, softmax and expert weights (null: the model's dtype,
+as Hugging Face and vLLM compute them)."""
+
+MOE_DISPATCHERS = ("alltoall", "allgather")
+"""model.moe_token_dispatcher: how tokens reach the ranks holding their experts (Megatron-Core's dispatchers)."""
+
+ROUTER_REPLAYS = ("none", "r2", "r3")
+"""model.router_replay: the trainer's router picks the experts itself; R2, the old-logprob pass's routes replayed in
+the train step; R3, the rollout engine's routes replayed in every trainer forward."""
+
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 """model.transformer_impl: the layer spec, Transformer Engine's or Megatron-Core's local one."""
 

@@ -106,6 +106,7 @@ MEGATRON_JOB_FILES = (
     "test_checkpoint.py",
     "test_model.py",
     "test_model_parallel.py",
+    "test_moe.py",
     "test_weight_bridge.py",
     "test_rollout_sync.py",
     "test_smollm2.py",

@@ -18,10 +18,18 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 
 
 def tiny_hf_model(
-    family: str, seed: int = 0, vocab_size: int = 250, layers: int = 2, tied: bool = False, rms_norm_eps: float = 1e-6
+    family: str,
+    seed: int = 0,
+    vocab_size: int = 250,
+    layers: int = 2,
+    tied: bool = False,
+    rms_norm_eps: float = 1e-6,
+    norm_topk_prob: bool = True,
 ):
-    """A randomly initialised tiny Qwen2, Qwen3 or Llama (4 heads, 2 KV groups) from transformers. Qwen3's head_dim
-    is 32, twice hidden/heads: a port that derives it gets every attention shape wrong."""
+    """A randomly initialised tiny Qwen2, Qwen3, Qwen3-MoE or Llama (4 heads, 2 KV groups) from transformers. Qwen3's
+    head_dim is 32, twice hidden/heads: a port that derives it gets every attention shape wrong. Qwen3-MoE
+    ('qwen3_moe'): `layers` of which the second is dense, the others 8 experts of width 32, each token to its best 2
+    (renormalised), and model/tiny.py's near-tie router and q/k norms."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -29,7 +37,11 @@ def tiny_hf_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
+
+    from megatron_dapo.model.tiny import moe_init
 
     common = dict(
         vocab_size=vocab_size,
@@ -48,6 +60,12 @@ def tiny_hf_model(
             model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
         elif family == "qwen3":
             model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1e6, head_dim=32, **common))
+        elif family == "qwen3_moe":
+            moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=norm_topk_prob)
+            config = Qwen3MoeConfig(rope_theta=1e6, head_dim=32, mlp_only_layers=[1], **moe, **common)
+            config._experts_implementation = "eager"  # a loop over experts: grouped_mm takes no float64
+            model = Qwen3MoeForCausalLM(config)
+            moe_init(model)
         else:
             model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
         # transformers initialises norms to 1 and biases to 0: perturb so both matter (and Qwen3's q_norm and k_norm

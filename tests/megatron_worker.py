@@ -118,7 +118,13 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     share = len(batch) // layout.dp
     mine = batch[dp_rank * share : (dp_rank + 1) * share]
     samples = [
-        TrainSample(prompt_ids=b["prompt"], response_ids=b["response"], advantage=b["advantage"], in_loss=b["in_loss"])
+        TrainSample(
+            prompt_ids=b["prompt"],
+            response_ids=b["response"],
+            advantage=b["advantage"],
+            in_loss=b["in_loss"],
+            routes=b.get("routes") if cfg.model.router_replay == "r3" else None,  # a MoE batch's given routes
+        )
         for b in mine
     ]
     result: dict = {}
@@ -147,7 +153,10 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
         finish(policy, last)
         return
-    first = policy.compute_logprobs(samples, args.temperature, with_entropy=args.mode == "logprobs")
+    r2 = cfg.model.router_replay == "r2" and arch.is_moe
+    first = policy.compute_logprobs(samples, args.temperature, with_entropy=args.mode == "logprobs", record_routes=r2)
+    if r2:  # what the old-logprob pass's routers picked, for the train step to replay
+        result["routes"] = [s.routes for s in samples]
     if args.mode == "nan":
         for i, s in enumerate(samples):
             s.old_logp = first[i]["logp"] + mine[i]["noise"]
@@ -180,6 +189,8 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)
         result["replicas"], result["replicas_differ"] = tp_replicas_differ(policy, arch)
         result["logprobs"] = first
+        if r2:  # a second update replays the same recorded routes under the weights the first one moved
+            result["metrics2"] = policy.train_step(samples, args.temperature)
     else:
         current = first
         for _ in range(args.steps):
@@ -191,7 +202,17 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         result["before"], result["after"], result["passes"] = first, current, passes
     if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
+    elif layout.ep > 1 and layout.etp_rank == 0 and layout.edp_rank == 0 and "grads" in result:
+        torch.save(expert_share(result), os.path.join(args.out, f"rank{layout.rank}.pt"))
     finish(policy, last)
+
+
+def expert_share(result: dict) -> dict:
+    """An expert-parallel rank's own experts (its grads and weights), the only part of its result no rank of data-
+    parallel rank 0 holds."""
+    from megatron_dapo.model.sharding import expert_of
+
+    return {k: {n: t for n, t in result[k].items() if expert_of(n)} for k in ("grads", "weights")}
 
 
 def tp_replicas_differ(policy, arch) -> tuple[list[str], list[str]]:

@@ -14,12 +14,12 @@ megatron_runs).
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from dapo_reference import LOSS, SEQ, TEMPERATURE, assert_matches_float64, assert_same, budget, dapo_float64
 from megatron_helpers import (
     Job,
     hf_response_logprobs,
@@ -29,17 +29,10 @@ from megatron_helpers import (
     tiny_hf_model,
 )
 
-from megatron_dapo.convert.layouts import hf_to_megatron, megatron_to_hf
+from megatron_dapo.convert.layouts import hf_to_megatron
 from megatron_dapo.model.arch import ModelArch
 
-SEQ = 16  # prompt + response tokens of every sample: equal, so micro-batch splits are exact
-TEMPERATURE = 0.9  # the worker's default
-EPS_LOW, EPS_HIGH = 0.15, 0.35  # unequal and neither the default (0.2, 0.28): a swapped or mis-wired bound fails
-LOSS = [f"algorithm.eps_low={EPS_LOW}", f"algorithm.eps_high={EPS_HIGH}"]
-LR, ADAM_EPS = 1e-3, 1e-4  # the worker's base config (no warm-up)
-WEIGHT_DECAY, CLIP_GRAD = 0.1, 1.0  # the config's defaults
 TIS_CAP = 1.5  # about a fifth of the weights exp(-rollout_offset) lie above it
-NEAR_BOUND = 1e-4  # |log r - log bound| under which fp32 rounding may put a token on either side of a clip bound
 DR_GRPO_MAX_RESPONSE = 40  # rollout.max_response_length of the Dr. GRPO step: well above the batch's longest (14)
 DR_GRPO = [
     "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
@@ -78,10 +71,6 @@ PIPELINES = {  # name: (family, tied, layers, overrides), each against its own 1
     "pp2-tied-embeddings": ("llama", True, 2, ["parallel.pp=2"]),  # the tied embedding lives on both stages
     "pp2-vpp2": ("qwen2", False, 4, ["parallel.pp=2", "parallel.vpp=2"]),  # interleaved 1F1B over 2 chunks a stage
 }
-
-
-def budget(samples: int) -> str:
-    return f"train.max_tokens_per_microbatch={samples * SEQ}"
 
 
 def megatron_jobs(root: Path) -> dict[str, Job]:
@@ -125,120 +114,9 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
     return jobs
 
 
-def dapo_float64(
-    model,
-    batch: list[dict],
-    tis_cap: float | None = None,
-    dr_grpo_max_response: int | None = None,
-    objective: str = "dapo",
-    bounds: tuple[float | None, float] = (EPS_LOW, EPS_HIGH),
-    seq_mean: bool = False,
-    weight=None,
-) -> dict:
-    """The worker's first train step, written out in float64 on transformers' model.
-
-    The worker's old_logp is the policy's own logprobs + noise; here it is transformers' logprobs + noise, so the
-    ratio is exp(-noise) in both up to fp32 rounding. Loss: token-mean of the clipped surrogate over the whole
-    mini-batch (times min(exp(old_logp - rollout_logp), tis_cap) with truncated IS); the gradient clipped to
-    CLIP_GRAD; AdamW's first step, where m_hat = g and v_hat = g^2 whatever the betas. Returns the loss and metrics,
-    clip_low / clip_high as (tokens surely clipped, tokens within NEAR_BOUND of the bound), and grads / weights
-    under Hugging Face names. dr_grpo_max_response: seq-mean-token-sum-norm (Dr. GRPO): the token losses' sum divided
-    by every response of the mini-batch (in the loss or not) x this configured length limit, not by the tokens.
-    objective 'gspo': the response's ratio exp(mean log r) clipped at bounds; 'cispo': -sg(min(r, 1 + bounds[1]))
-    A logp per token (no lower bound). seq_mean: each response's token mean, then the mean over responses.
-    weight(sample) -> [R]: rollout-correction weights per token (tis_cap: min(exp(-rollout_offset), tis_cap)).
-    """
-    low, high = bounds
-    if tis_cap is not None:
-
-        def weight(b):  # noqa: E306 (old_logp - rollout_logp = -rollout_offset)
-            return torch.exp(-b["rollout_offset"].double()).clamp(max=tis_cap)
-
-    hf = copy.deepcopy(model).double()
-    kept = [b for b in batch if b["in_loss"]]  # an overlong-filtered response is out of the loss and of its count
-    tokens = sum(len(b["response"]) for b in kept)
-    divisor = tokens if dr_grpo_max_response is None else len(batch) * dr_grpo_max_response
-    divisor = len(kept) if seq_mean else divisor
-    loss = torch.zeros((), dtype=torch.float64)
-    ratios, advantages, entropies = [], [], []
-    for b in kept:
-        logp, entropy = hf_response_logprobs(hf, b, TEMPERATURE)
-        log_ratio = logp - (logp.detach() + b["noise"].double())
-        ratio = torch.exp(log_ratio.mean()).expand(len(logp)) if objective == "gspo" else torch.exp(log_ratio)
-        adv = b["advantage"]
-        if objective == "cispo":
-            token_loss = -ratio.detach().clamp(max=1 + high) * adv * logp
-        else:
-            token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
-        if weight is not None:
-            token_loss = token_loss * weight(b)
-        loss = loss + (token_loss.mean() if seq_mean else token_loss.sum()) / divisor
-        ratios.append(ratio.detach())
-        advantages.append(torch.full_like(logp, adv).detach())
-        entropies.append(entropy)
-    loss.backward()
-    r, adv = torch.cat(ratios), torch.cat(advantages)
-
-    def clipped(sign: torch.Tensor, past: torch.Tensor, bound: float) -> tuple[int, int]:
-        """(tokens of this advantage sign past the bound, those of them within fp32 rounding of it)."""
-        near = (r.log() - math.log(bound)).abs() < NEAR_BOUND
-        return int((sign & past & ~near).sum()), int((sign & near).sum())
-
-    anyway = torch.ones_like(adv, dtype=torch.bool)  # CISPO caps the weight whatever the advantage's sign
-    clip_low = (0, 0) if low is None else clipped(adv < 0, r < 1 - low, 1 - low)
-    clip_high = clipped(anyway if objective == "cispo" else adv > 0, r > 1 + high, 1 + high)
-    grads = {n: p.grad for n, p in hf.named_parameters()}
-    grad_norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
-    scale = min(1.0, CLIP_GRAD / (grad_norm + 1e-6))  # Megatron's clip_grad_norm
-    grads = {n: g * scale for n, g in grads.items()}
-    weights = {  # decoupled weight decay on matrices only (not on biases and norms)
-        n: p.detach() * (1 - LR * WEIGHT_DECAY * (p.dim() > 1)) - LR * grads[n] / (grads[n].abs() + ADAM_EPS)
-        for n, p in hf.named_parameters()
-    }
-    return {
-        "loss": float(loss.detach()),
-        "tokens": tokens,
-        "normalizer": float(divisor),
-        "ratio_mean": float(r.mean()),
-        "approx_kl": float((r - 1 - r.log()).mean()),
-        "entropy": float(torch.cat(entropies).mean()),
-        "clip_low": clip_low,
-        "clip_high": clip_high,
-        "grad_norm": grad_norm,
-        "grads": grads,
-        "weights": weights,
-    }
-
-
 @pytest.fixture(scope="module")
 def expected(model, batch):
     return dapo_float64(model, batch)
-
-
-def assert_matches_float64(want: dict, got: dict, arch: ModelArch, what: str) -> None:
-    m = got["metrics"]
-    assert m["actor/update_applied"] == 1.0 and m["actor/lr"] == LR, what
-    assert m["actor/normalizer"] == want["normalizer"] and m["actor/tokens"] == want["tokens"], what
-    for key in ("loss", "ratio_mean", "approx_kl", "entropy", "grad_norm"):
-        assert m[f"actor/{key}"] == pytest.approx(want[key], rel=1e-5), f"{what} {key}"
-    for side in ("low", "high"):
-        sure, near = want[f"clip_{side}"]
-        count = round(m[f"actor/clip_frac_{side}"] * want["tokens"])
-        assert sure <= count <= sure + near, f"{what} clip_{side}: {count} tokens, expected {sure} (+ {near} near)"
-    for key, rtol, atol in (("grads", 1e-5, 3e-7), ("weights", 0.0, 5e-7)):  # observed: 4e-8 and 8e-8 at most
-        hf = {n: t.double() for name, full in got[key].items() for n, t in megatron_to_hf(name, full, arch)}
-        assert hf.keys() == want[key].keys(), what
-        for name, t in want[key].items():
-            torch.testing.assert_close(hf[name], t, rtol=rtol, atol=atol, msg=f"{what} {key} {name}")
-
-
-def assert_same(ref: dict, got: dict, what: str) -> None:
-    assert got["metrics"]["actor/loss"] == pytest.approx(ref["metrics"]["actor/loss"], rel=1e-5, abs=1e-7), what
-    assert got["metrics"]["actor/normalizer"] == ref["metrics"]["actor/normalizer"], what
-    for key in ("grads", "weights"):
-        assert got[key].keys() == ref[key].keys(), what
-        for name, t in ref[key].items():
-            torch.testing.assert_close(got[key][name], t, rtol=1e-5, atol=1e-6, msg=f"{what} {key} {name}")
 
 
 @pytest.fixture(scope="module")

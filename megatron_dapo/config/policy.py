@@ -11,7 +11,10 @@ from megatron_dapo.choices import (
     DTYPES,
     FP8_FORMATS,
     FP8_RECIPES,
+    MOE_DISPATCHERS,
+    MOE_ROUTER_DTYPES,
     RECOMPUTE_METHODS,
+    ROUTER_REPLAYS,
     TRANSFORMER_IMPLS,
 )
 from megatron_dapo.config.base import check
@@ -53,7 +56,7 @@ class ModelConfig:
     """The Megatron-Core policy."""
 
     hf_path: str = ""
-    """Hugging Face model directory: its config.json gives the architecture (Qwen2/Qwen2.5 or
+    """Hugging Face model directory: its config.json gives the architecture (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE or
     Llama), its safetensors the initial weights."""
     dtype: str = "bf16"
     """Parameter and compute precision: 'bf16', 'fp16' or 'fp32' (optimizer state is fp32)."""
@@ -79,6 +82,28 @@ class ModelConfig:
     varlen_attention: bool = False
     """With attention 'sdpa' on CUDA, packed rows through torch's varlen_attn (one kernel per pack) instead of one
     SDPA call per sequence. Off by default until it has passed a GPU run."""
+    router_replay: str = "none"
+    """Mixture-of-experts models: whose expert choices the trainer's forward passes use. 'none': its own router's.
+    'r2': the old-logprob pass records its routes and the train step replays them (the update sees the experts the
+    old policy used). 'r3' (Rollout Routing Replay): the rollout engine's routes for every position of each sample,
+    prompt and response, replayed in the old-logprob, reference and train passes, so a token is scored through the
+    experts that sampled it. Ignored for dense models."""
+    moe_router_dtype: Optional[str] = None
+    """The precision of the router's logits, softmax and the experts' weighted sum: null = the model's dtype (as
+    Hugging Face and vLLM compute the logits, so the trainer ties as the engine does), 'fp32' or 'fp64' (NeMo-RL's
+    MoE recipes: fewer flips between near-equal experts)."""
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach the ranks that hold their experts: 'alltoall' (each rank sends each token to its experts'
+    ranks only) or 'allgather' (every rank of the expert group gathers every token). The same results either way."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing (Switch) auxiliary loss, averaged over the mini-batch's tokens; 0 = off. Off
+    by default, as the MoE RL recipes of verl (mbridge's Qwen3-MoE: moe_router_load_balancing_type 'none', "default
+    None for RL") and NeMo-RL (moe_router_load_balancing_type 'none') run: a balancing term pulls the router away
+    from what the reward asks and makes the trainer's routes drift from the engine's. Its value is logged as
+    moe/load_balancing_loss either way."""
+    moe_z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE: the mean squared logsumexp of the router logits); 0 = off, as in
+    the same recipes (neither sets it). Logged as moe/z_loss when on."""
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -103,6 +128,22 @@ class ModelConfig:
             f"one of {TRANSFORMER_IMPLS}",
         )
         check(self.attention in ATTENTION_IMPLS, "model.attention", self.attention, f"one of {ATTENTION_IMPLS}")
+        check(self.router_replay in ROUTER_REPLAYS, "model.router_replay", self.router_replay, f"one of {ROUTER_REPLAYS}")
+        if self.moe_router_dtype is not None:
+            check(
+                self.moe_router_dtype in MOE_ROUTER_DTYPES,
+                "model.moe_router_dtype",
+                self.moe_router_dtype,
+                f"one of {MOE_ROUTER_DTYPES} or null",
+            )
+        check(
+            self.moe_token_dispatcher in MOE_DISPATCHERS,
+            "model.moe_token_dispatcher",
+            self.moe_token_dispatcher,
+            f"one of {MOE_DISPATCHERS}",
+        )
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            check(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "a value >= 0")
 
 
 @dataclass
@@ -117,6 +158,13 @@ class ParallelConfig:
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; null = off."""
     cp: int = 1
     """Context-parallel size (needs Transformer Engine)."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): each MoE layer's experts are split over this many ranks,
+    which hold different data (the experts' data parallel is world / (pp x ep x etp)); it must divide the number of
+    experts and world / pp."""
+    etp: int = 1
+    """Expert tensor-parallel size: each expert's weights split over this many ranks. 1 (each expert whole) as the
+    Qwen3-MoE recipes of verl, slime and NeMo-RL run; at most tp."""
     sequence_parallel: bool = True
     """Sequence parallel with tp > 1 (needs Transformer Engine; ignored on the local spec)."""
     use_distributed_optimizer: bool = True
@@ -124,7 +172,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
-        for key in ("tp", "pp", "cp"):
+        for key in ("tp", "pp", "cp", "ep", "etp"):
             check(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key), "an integer >= 1")
         if self.vpp is not None:
             check(

@@ -1,12 +1,17 @@
-"""Hugging Face <-> Megatron-Core names and layouts for Qwen2/Qwen2.5, Qwen3 (dense) and Llama.
+"""Hugging Face <-> Megatron-Core names and layouts for Qwen2/Qwen2.5, Qwen3 (dense and MoE) and Llama.
 
 Written once, used by the model loader, the weight bridge and the conversion tools.
 
 `linear_qkv` fuses q, k and v grouped per query group: for each of the num_key_value_heads groups, its
 heads_per_group query heads, then its k head, then its v head (so a tensor-parallel split is a plain chunk
 of whole groups); `linear_fc1` is cat(gate, up) on dim 0. Qwen3's per-head norms map one to one (q_norm ->
-`self_attention.q_layernorm`, k_norm -> `self_attention.k_layernorm`, each [head_dim], replicated over TP). How
-Megatron splits each tensor across TP ranks, and the Transformer Engine spec's names, are model/sharding.py's.
+`self_attention.q_layernorm`, k_norm -> `self_attention.k_layernorm`, each [head_dim], replicated over TP).
+Qwen3-MoE's expert layers: the router `mlp.gate.weight` -> `mlp.router.weight` ([experts, hidden]), and expert e's
+`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` (the checkpoint's layout; transformers fuses them in memory as
+`mlp.experts.gate_up_proj` [experts, 2 ffn, hidden] and `mlp.experts.down_proj` [experts, hidden, ffn], which
+hf_to_megatron reads too) -> `mlp.experts.local_experts.{e}.linear_fc1.weight` = cat(gate, up) and `linear_fc2` =
+down. How Megatron splits each tensor across TP (and expert) ranks, and the Transformer Engine spec's names, are
+model/sharding.py's.
 
 Names here are "full" Megatron names with global layer numbers; model/ maps them to a
 pipeline stage's local numbering.
@@ -19,7 +24,7 @@ from typing import Iterator
 import torch
 
 from megatron_dapo.model.arch import ModelArch
-from megatron_dapo.model.sharding import layer_of, local_suffix
+from megatron_dapo.model.sharding import expert_of, layer_of, local_suffix
 
 # Megatron per-layer suffix (local spec) -> HF per-layer suffix, for the 1:1 tensors.
 _LAYER_ONE_TO_ONE = {
@@ -46,12 +51,13 @@ def megatron_names(arch: ModelArch) -> list[str]:
             names.append(p + "self_attention.linear_qkv.bias")
         if arch.qk_layernorm:
             names += [p + suffix for suffix in _QK_NORMS]
-        names += [
-            p + "self_attention.linear_proj.weight",
-            p + "pre_mlp_layernorm.weight",
-            p + "mlp.linear_fc1.weight",
-            p + "mlp.linear_fc2.weight",
-        ]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if i in arch.moe_layers:
+            names.append(p + "mlp.router.weight")
+            for e in range(arch.num_experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2)]
+        else:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
     if not arch.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -66,6 +72,10 @@ def megatron_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         return (arch.vocab_size, h)
     if name == "decoder.final_layernorm.weight":
         return (h,)
+    expert = expert_of(name)
+    if expert is not None:
+        ffn = arch.moe_intermediate_size
+        return (2 * ffn, h) if expert[2] == "linear_fc1.weight" else (h, ffn)
     suffix = local_suffix((layer_of(name) or (None, ""))[1])
     shapes = {
         "input_layernorm.weight": (h,),
@@ -77,6 +87,7 @@ def megatron_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         "self_attention.linear_proj.weight": (h, q),
         "mlp.linear_fc1.weight": (2 * arch.intermediate_size, h),
         "mlp.linear_fc2.weight": (h, arch.intermediate_size),
+        "mlp.router.weight": (arch.num_experts, h),
     }
     if suffix not in shapes:
         raise KeyError(f"unknown Megatron tensor '{name}'")
@@ -143,6 +154,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, to
                 out[mp + m_suffix] = get(hp + hf_suffix, (d,))
         out[mp + "self_attention.linear_proj.weight"] = get(hp + "self_attn.o_proj.weight", (h, nq))
         out[mp + "pre_mlp_layernorm.weight"] = get(hp + "post_attention_layernorm.weight", (h,))
+        if i in arch.moe_layers:
+            out.update(_experts_to_megatron(hf, i, arch, get))
+            continue
         out[mp + "mlp.linear_fc1.weight"] = torch.cat(
             [get(hp + "mlp.gate_proj.weight", (ffn, h)), get(hp + "mlp.up_proj.weight", (ffn, h))], dim=0
         )
@@ -150,6 +164,27 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, to
     out["decoder.final_layernorm.weight"] = get("model.norm.weight", (h,))
     if not arch.tie_word_embeddings:
         out["output_layer.weight"] = get("lm_head.weight", (arch.vocab_size, h))
+    return out
+
+
+def _experts_to_megatron(hf, i: int, arch: ModelArch, get) -> dict[str, torch.Tensor]:
+    """Layer i's router and experts: from the checkpoint's per-expert tensors, or transformers' fused in-memory
+    ones (a state_dict of a loaded model). get(name, shape): the checked lookup of hf_to_megatron."""
+    h, ffn, n = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    hp, mp = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+    out = {mp + "router.weight": get(hp + "gate.weight", (n, h))}
+    fused = hp + "experts.gate_up_proj" in hf
+    if fused:  # [experts, 2 ffn, hidden] is cat(gate, up) per expert already
+        gate_up, down = get(hp + "experts.gate_up_proj", (n, 2 * ffn, h)), get(hp + "experts.down_proj", (n, h, ffn))
+    for e in range(n):
+        ep = mp + f"experts.local_experts.{e}."
+        if fused:
+            out[ep + "linear_fc1.weight"], out[ep + "linear_fc2.weight"] = gate_up[e], down[e]
+            continue
+        x = hp + f"experts.{e}."
+        gate, up = get(x + "gate_proj.weight", (ffn, h)), get(x + "up_proj.weight", (ffn, h))
+        out[ep + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[ep + "linear_fc2.weight"] = get(x + "down_proj.weight", (h, ffn))
     return out
 
 
@@ -170,7 +205,17 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
     i, suffix = parsed
     suffix = local_suffix(suffix)
     hp = f"model.layers.{i}."
-    if suffix in _LAYER_ONE_TO_ONE:
+    expert = expert_of(name)
+    if expert is not None:  # the checkpoint's per-expert names (what vLLM and transformers load)
+        if expert[2] == "linear_fc1.weight":
+            gate, up = torch.chunk(tensor, 2, dim=0)
+            yield hp + f"mlp.experts.{expert[1]}.gate_proj.weight", gate
+            yield hp + f"mlp.experts.{expert[1]}.up_proj.weight", up
+        else:
+            yield hp + f"mlp.experts.{expert[1]}.down_proj.weight", tensor
+    elif suffix == "mlp.router.weight":
+        yield hp + "mlp.gate.weight", tensor
+    elif suffix in _LAYER_ONE_TO_ONE:
         yield hp + _LAYER_ONE_TO_ONE[suffix], tensor
     elif suffix in _QK_NORMS and arch.qk_layernorm:
         yield hp + _QK_NORMS[suffix], tensor

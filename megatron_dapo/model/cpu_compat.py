@@ -13,6 +13,10 @@ patches those, process-wide, so that the same Megatron code path runs on CPU wit
 - the causal-mask helpers build their masks on CPU (autograd runs backward outside the
   function mode, where activation recompute calls them);
 - the CUDA RNG calls of the RNG tracker use the CPU generator;
+- the mixture-of-experts layers run without Transformer Engine: the router's `te_general_gemm` (a name moe_utils
+  leaves undefined without TE, called on every forward) is None, so the router takes torch's matmul; the alltoall
+  dispatcher's split sizes become numpy arrays as on CUDA (Megatron converts only CUDA tensors, and gloo's
+  all_to_all_single refuses tensors as split sizes), and its device-to-host event is one that synchronizes;
 - Megatron is imported with its JIT fuser off (`_import_megatron_eager`): its fused paths are off on CPU
   (model/provider.py), so nothing of it would be compiled, and wrapping its fusions in torch.compile at import
   costs every process ~3 s of importing dynamo and inductor.
@@ -96,6 +100,9 @@ class _NoStream:
     def __getattr__(self, name: str) -> Any:
         return lambda *a, **k: None
 
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoStream:
+        return _NoStream()  # an event: its synchronize() is called
+
     def __enter__(self) -> _NoStream:
         return self
 
@@ -105,6 +112,22 @@ class _NoStream:
 
 def _causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+def _patch_moe() -> None:
+    """The MoE layers' CUDA and Transformer Engine assumptions (see the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+    def split_sizes_to_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = split_sizes_to_numpy
 
 
 def _import_megatron_eager() -> None:
@@ -161,6 +184,7 @@ def enable() -> bool:
     cached_mask = functools.lru_cache(maxsize=8)(_causal_mask)
     transformer_utils.get_default_causal_mask = cached_mask
     fused_softmax.get_default_causal_mask = cached_mask
+    _patch_moe()
 
     _MODE = _CudaToCpu()
     _MODE.__enter__()  # process-wide: stays active for the life of the process

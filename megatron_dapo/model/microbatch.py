@@ -31,6 +31,10 @@ class TrainSample:
     """[len(response_ids)] float32: rollout-correction weights (algorithm.rollout_correction), set by train_step."""
     in_loss: bool = True
     """False masks the whole response out of the loss (overlong filtering)."""
+    routes: Optional[torch.Tensor] = None
+    """[len(prompt_ids) + len(response_ids) - 1, moe layers, top k] (model/routing.py route_dtype): the experts each
+    position's token goes to in each MoE layer, replayed by the forward passes (model.router_replay); None: the
+    trainer's routers pick."""
 
 
 @dataclass
@@ -50,9 +54,14 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [b, L] bool: response_mask and the sample is in the loss
     advantages: torch.Tensor  # [b, L] float32
     seq_index: torch.Tensor  # [b, L] long: the sequence's place in the micro-batch on its response positions, else -1
+    token_mask: torch.Tensor  # [b, L] bool: a sequence's token (not row padding)
     old_logp: Optional[torch.Tensor] = None  # [b, L] float32
     ref_logp: Optional[torch.Tensor] = None  # [b, L] float32
     is_weight: Optional[torch.Tensor] = None  # [b, L] float32
+    routes: Optional[torch.Tensor] = None
+    """[b, L, moe layers, k] (route dtype): the samples' routes (TrainSample.routes) where they have one, placeholder
+    experts elsewhere (model/routing.py); None when no sample carries routes."""
+    route_mask: Optional[torch.Tensor] = None  # [b, L] bool: the positions with a sample's route
     packed_seq_params: Any = None
     """megatron.core PackedSeqParams (qkv_format 'thd') for the packed layout, else None."""
 
@@ -117,6 +126,8 @@ def collate(
     old_logp = torch.zeros(b, width) if all(s.old_logp is not None for s in seqs) else None
     ref_logp = torch.zeros(b, width) if seqs and all(s.ref_logp is not None for s in seqs) else None
     is_weight = torch.zeros(b, width) if seqs and all(s.is_weight is not None for s in seqs) else None
+    token_mask = torch.zeros(b, width, dtype=torch.bool)
+    routes, route_mask = _empty_routes(seqs, b, width)
     spans = []
     for k, s in enumerate(seqs):
         row, st, p, r = rows[k], starts[k], len(s.prompt_ids), len(s.response_ids)
@@ -135,6 +146,12 @@ def collate(
             ref_logp[row, span] = s.ref_logp.float()
         if is_weight is not None:
             is_weight[row, span] = s.is_weight.float()
+        token_mask[row, st : st + p + r] = True
+        if routes is not None:  # position t's route is its own token's: the last token has none
+            if s.routes.shape[0] != p + r - 1:
+                raise ValueError(f"sample {indices[k]}: routes for {s.routes.shape[0]} positions, expected {p + r - 1}")
+            routes[row, st : st + p + r - 1] = s.routes
+            route_mask[row, st : st + p + r - 1] = True
         spans.append((indices[k], row, span.start, span.stop))
     to = partial(torch.Tensor.to, device=device)
     return MicroBatch(
@@ -149,8 +166,26 @@ def collate(
         old_logp=None if old_logp is None else to(old_logp),
         ref_logp=None if ref_logp is None else to(ref_logp),
         is_weight=None if is_weight is None else to(is_weight),
+        token_mask=to(token_mask),
+        routes=routes,  # stays on the host: each router takes its layer's share (model/routing.py)
+        route_mask=route_mask,
         packed_seq_params=thd_params(lengths, width, device) if packed else None,
     )
+
+
+def _empty_routes(seqs: list[TrainSample], b: int, width: int):
+    """(routes [b, width, layers, k] of placeholder experts, route_mask [b, width] all False) when the samples carry
+    routes, (None, None) when none does; a mix is an error (a pass replays every sample's routes or none)."""
+    have = [s.routes is not None for s in seqs]
+    if not any(have):
+        return None, None
+    if not all(have):
+        raise ValueError(f"routes on {sum(have)} of {len(seqs)} samples of a micro-batch: replay needs every one's")
+    from megatron_dapo.model.routing import placeholder_routes
+
+    _, layers, topk = seqs[0].routes.shape
+    routes = placeholder_routes(b * width, layers, topk).to(seqs[0].routes.dtype).view(b, width, layers, topk)
+    return routes, torch.zeros(b, width, dtype=torch.bool)
 
 
 def thd_params(lengths: list[int], width: int, device: torch.device):
@@ -202,9 +237,12 @@ def slice_for_cp(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
         "loss_mask",
         "advantages",
         "seq_index",
+        "token_mask",
         "old_logp",
         "ref_logp",
         "is_weight",
+        "routes",
+        "route_mask",
     )
     sliced = {f: None if getattr(mb, f) is None else cp_slice(getattr(mb, f), cp, rank) for f in fields}
     return MicroBatch(spans=mb.spans, packed_seq_params=None, **sliced)

@@ -51,6 +51,16 @@ class Layout:
     pp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
+    ep: int = 1
+    """Expert parallel: the MoE layers' experts split over ep ranks (each holds num_experts / ep of them)."""
+    etp: int = 1
+    """Expert tensor parallel: each expert's weights split over etp ranks."""
+    edp: int = 0
+    """The experts' data parallel, world / (pp x ep x etp): the ranks holding the same experts (0: dense model)."""
+    ep_rank: int = 0
+    """This rank's place in its expert-, expert-tensor- and expert-data-parallel groups."""
+    etp_rank: int = 0
+    edp_rank: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -83,6 +93,8 @@ def resolve_attention(model: ModelConfig, use_te: bool) -> str:
 def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world_size: int) -> Layout:
     """Validate a layout without touching a device; returns it with dp filled in (rank fields 0)."""
     te = use_transformer_engine(model)
+    if not arch.is_moe:
+        _check_dense(par)
     cells = par.tp * par.pp * par.cp
     if world_size % cells:
         raise LayoutError(
@@ -109,6 +121,7 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
         )
     if model.fp8 is not None and not te:
         raise LayoutError(f"model.fp8={model.fp8!r} needs Transformer Engine (GPU only); set model.fp8=null")
+    edp = _check_experts(arch, par, model, world_size) if arch.is_moe else 0
     return Layout(
         world_size=world_size,
         rank=0,
@@ -119,9 +132,43 @@ def check_layout(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world
         cp=par.cp,
         dp=world_size // cells,
         use_te=te,
-        sequence_parallel=par.sequence_parallel and par.tp > 1 and te,
+        sequence_parallel=par.sequence_parallel and par.tp > 1,
         attention=attention,
+        ep=par.ep,
+        etp=par.etp,
+        edp=edp,
     )
+
+
+def _check_experts(arch: ModelArch, par: ParallelConfig, model: ModelConfig, world_size: int) -> int:
+    """The MoE layout's checks (Megatron's expert groups: etp x ep x edp x pp = world); returns edp."""
+    if par.pp > 1 and model.moe_token_dispatcher == "allgather":
+        raise LayoutError(
+            f"model.moe_token_dispatcher='allgather' cannot run with parallel.pp={par.pp}: Megatron's allgather "
+            "dispatcher takes no variable sequence lengths between stages; use 'alltoall'"
+        )
+    if par.etp > par.tp or par.tp % par.etp:
+        raise LayoutError(f"parallel.etp={par.etp} must divide parallel.tp={par.tp} (and not exceed it)")
+    if arch.num_experts % par.ep:
+        raise LayoutError(f"parallel.ep={par.ep} must divide the model's {arch.num_experts} experts")
+    if arch.moe_intermediate_size % par.etp:
+        raise LayoutError(
+            f"parallel.etp={par.etp} must divide the experts' width moe_intermediate_size={arch.moe_intermediate_size}"
+        )
+    cells = par.etp * par.ep * par.pp
+    if world_size % cells:
+        raise LayoutError(
+            f"world size {world_size} is not a multiple of parallel.etp x parallel.ep x parallel.pp = "
+            f"{par.etp} x {par.ep} x {par.pp} = {cells} (the expert layers' groups)"
+        )
+    return world_size // cells
+
+
+def _check_dense(par: ParallelConfig) -> None:
+    """A dense model has no experts to split: ep and etp must stay 1."""
+    for key in ("ep", "etp"):
+        if getattr(par, key) != 1:
+            raise LayoutError(f"parallel.{key}={getattr(par, key)} needs a mixture-of-experts model; this one is dense")
 
 
 def env_place() -> tuple[int, int, int]:
@@ -169,6 +216,8 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
         context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
     )
     model_parallel_cuda_manual_seed(seed)
     ranks = dict(
@@ -176,6 +225,9 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        edp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
     return Layout(**{**layout.__dict__, "rank": rank, "local_rank": local_rank, **ranks})
 

@@ -41,6 +41,7 @@ from megatron_dapo.model.microbatch import (  # TrainSample: what callers build,
     slice_for_cp,
 )
 from megatron_dapo.model.parallel import Layout
+from megatron_dapo.model.routing import Routing, route_dtype
 
 # megatron-core's distributed optimizer clears the .grad of its (non-leaf) fp32 shard views in
 # zero_grad; torch warns on every step about a read that is harmless there
@@ -76,6 +77,8 @@ class MegatronPolicy:
         takes_packed = layout.attention in ("te", "sdpa")
         self.packed = cfg.train.packed_sequences and takes_packed and layout.cp == 1
         self.offload = frozen and a.ref_offload and layout.device.type == "cuda"
+        self.routing: Optional[Routing] = None
+        """The MoE routers of this policy's chunks (model/routing.py); None for a dense model."""
         if frozen:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -83,8 +86,14 @@ class MegatronPolicy:
                 if self.offload:
                     chunk.cpu()
             self.model, self.optimizer, self.scheduler = chunks, None, None
+            self._routing(chunks)
             return
         self.model = provider.wrap_ddp(chunks, cfg)
+        self._routing(self.model)
+        tf_config = chunks[0].config
+        self.moe_loss_coeffs = (tf_config.moe_aux_loss_coeff, tf_config.moe_z_loss_coeff)
+        """The configured load-balancing and z-loss coefficients: each train step hands Megatron these over the
+        step's token count (see _scale_moe_losses)."""
         self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
         tf_config = chunks[0].config
         tf_config.grad_scale_func = self.optimizer.scale_loss
@@ -105,6 +114,11 @@ class MegatronPolicy:
                 "algorithm.policy_loss=%s with loss_agg_mode=%s weighs each response by its length; the GSPO paper "
                 "averages per response (seq-mean-token-mean)", a.policy_loss, a.loss_agg_mode
             )  # fmt: skip
+
+    def _routing(self, chunks: list) -> None:
+        """The routing driver of a MoE model, over the chunks as the schedule hands them to forward_step."""
+        if self.arch.is_moe:
+            self.routing = Routing(chunks, self.arch, self.layout, recompute=self.cfg.model.recompute == "full")
 
     def close(self) -> None:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
@@ -137,18 +151,26 @@ class MegatronPolicy:
         dist.all_gather(parts, t, group=parallel_state.get_context_parallel_group())
         return cp_unslice(parts)
 
-    def _run(self, samples: list[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
-        """One pass of the schedule over samples; returns the last stage's per-micro-batch outputs."""
+    def _microbatches(self, samples: list[TrainSample], forward_only: bool) -> list[MicroBatch]:
+        """This rank's micro-batches of samples for a pass (its context-parallel share of each)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        packed = self.packed
-        groups = pack_microbatches(lengths, self.cfg.train.microbatch_tokens(forward_only), packed)
+        groups = pack_microbatches(lengths, self.cfg.train.microbatch_tokens(forward_only), self.packed)
         multiple = row_multiple(self.layout, fp8=self.cfg.model.fp8 is not None)
-        mbs = [collate(samples, g, self.layout.device, multiple, packed) for g in groups]
+        mbs = [collate(samples, g, self.layout.device, multiple, self.packed) for g in groups]
         if self.layout.cp > 1:
             mbs = [slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
+        return mbs
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, routing: str = "off") -> list[dict]:
+        """One pass of the schedule over micro-batches; returns the last stage's per-micro-batch outputs. routing:
+        a MoE model's routing mode for the pass (model/routing.py MODES)."""
+        if self.routing is not None:
+            self.routing.start_pass(routing, backward=not forward_only)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.feed(model, mb)
             output = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return output, partial(loss_fn, mb)
 
@@ -160,8 +182,8 @@ class MegatronPolicy:
             data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(mbs),
-            seq_length=max(lengths),
-            micro_batch_size=max(len(g) for g in groups),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only,
         )
 
@@ -169,12 +191,19 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, samples: list[TrainSample], temperature: float, with_entropy: bool = False
+        self,
+        samples: list[TrainSample],
+        temperature: float,
+        with_entropy: bool = False,
+        record_routes: bool = False,
     ) -> Optional[list[dict[str, torch.Tensor]]]:
         """Response-token logprobs (and entropy if with_entropy) under the current weights (forward only).
 
         Returns, on the last pipeline stage, one {"logp": [R]} float32 per sample (CPU tensors), with "entropy": [R]
-        float32 too if with_entropy (the same pass over the logits); None on other stages.
+        float32 too if with_entropy (the same pass over the logits); None on other stages. A MoE model replays the
+        samples' routes when they carry them; record_routes (R2) instead routes by itself and sets each sample's
+        `routes` (in place, on every pipeline stage: its own layers, placeholders for the others') to what its
+        routers picked.
         """
         for m in self.model:
             m.eval()
@@ -191,14 +220,17 @@ class MegatronPolicy:
         if self.offload:  # the reference's weights come to the GPU for this pass only
             for m in self.model:
                 m.to(self.layout.device)
+        mbs = self._microbatches(samples, forward_only=True)
         try:
-            outputs = self._run(samples, loss_fn, forward_only=True)
+            outputs = self._run(mbs, loss_fn, forward_only=True, routing=self._routing_mode(samples, record_routes))
         finally:
             for m in self.model:
                 if self.offload:
                     m.cpu()
                 elif self.optimizer is not None:  # the policy trains next; the reference stays in eval mode
                     m.train()
+        if record_routes and self.routing is not None:
+            self._keep_recorded_routes(samples, mbs)
         if not self.is_last_stage:
             return None
         result: list[Optional[dict[str, torch.Tensor]]] = [None] * len(samples)
@@ -206,6 +238,24 @@ class MegatronPolicy:
             for i, row, start, end in out["spans"]:
                 result[i] = {k: out[k][row, start:end] for k in ("logp", "entropy") if k in out}
         return result  # type: ignore[return-value]
+
+    def _routing_mode(self, samples: list[TrainSample], record: bool = False) -> str:
+        """A pass's routing (model/routing.py MODES): record when asked, replay when the samples carry routes."""
+        if record:
+            return "record"
+        return "replay" if samples and all(s.routes is not None for s in samples) else "off"
+
+    def _keep_recorded_routes(self, samples: list[TrainSample], mbs: list[MicroBatch]) -> None:
+        """Set each sample's routes to what the pass's routers picked (this stage's layers)."""
+        dtype = route_dtype(self.arch.num_experts)
+        for j, mb in enumerate(mbs):
+            full = self.routing.recorded_routes(j, mb)
+            if self.layout.cp > 1:  # spans index the full row: reassemble it from the CP ranks
+                full = self._gather_cp(full.to(self.layout.device)).cpu()
+            for i, row, start, _ in mb.spans:
+                s = samples[i]
+                first = start - len(s.prompt_ids) + 1  # spans start at the last prompt position
+                s.routes = full[row, first : first + len(s.prompt_ids) + len(s.response_ids) - 1].to(dtype)
 
     # ---------------------------------------------------------------- train step
 
@@ -271,8 +321,12 @@ class MegatronPolicy:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(samples, loss_fn, forward_only=False)
+        mbs = self._microbatches(samples, forward_only=False)
+        self._scale_moe_losses(mbs)
+        outputs = self._run(mbs, loss_fn, forward_only=False, routing=self._routing_mode(samples))
         metrics = self._reduce_metrics(outputs, normalizer, kl_term)  # identical on every rank: all skip together
+        if self.routing is not None:
+            metrics.update(self.routing.metrics())
         if math.isfinite(metrics["actor/loss"]):
             with torch.profiler.record_function("optimizer"):  # a range of its own in a profile (preflight's)
                 applied, grad_norm, _ = self.optimizer.step()
@@ -291,6 +345,24 @@ class MegatronPolicy:
             }
         )
         return metrics
+
+    def _scale_moe_losses(self, mbs: list[MicroBatch]) -> None:
+        """The MoE auxiliary losses as a mean over the mini-batch's tokens. With calculate_per_token_loss Megatron's
+        router multiplies each micro-batch's loss by its tokens and leaves the division by the total to
+        finalize_model_grads, which this policy's loss (already divided by its own count) skips: so the coefficients
+        Megatron reads are the configured ones over the tokens all routers see in the step (every micro-batch, every
+        data- and context-parallel rank; row padding counts, as Megatron counts it)."""
+        aux, z = self.moe_loss_coeffs
+        if not (aux or z):
+            return
+        local = float(sum(mb.tokens.numel() for mb in mbs))
+        tokens = torch.tensor([local], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(tokens, group=self._dp_group(with_cp=True))
+        total = max(float(tokens.item()), 1.0)
+        for chunk in self.model:
+            config = provider.unwrap(chunk).config
+            config.moe_aux_loss_coeff = aux / total
+            config.moe_z_loss_coeff = z / total if z else None
 
     def _reduce_metrics(self, outputs: list[dict], normalizer: float, kl_term: bool) -> dict[str, float]:
         """Sum the last stage's statistics over micro-batches and DP ranks, then share them with every stage.

@@ -20,7 +20,15 @@ from megatron_dapo.config import Config
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.dtypes import torch_dtype
 from megatron_dapo.model.parallel import Layout
-from megatron_dapo.model.sharding import layer_of, local_suffix, tp_shard, tp_split_dim, tp_unshard
+from megatron_dapo.model.sharding import (
+    expert_of,
+    layer_of,
+    local_suffix,
+    tp_shard,
+    tp_split_dim,
+    tp_unshard,
+    with_expert,
+)
 
 VOCAB_DIVISIBLE_BY = 128
 """The vocabulary is padded to a multiple of this times tp (Megatron-LM's default), for GEMM shapes."""
@@ -92,27 +100,114 @@ def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
         and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         # our loss normalises by the mini-batch's global token count itself (see policy.py)
         calculate_per_token_loss=True,
-        variable_seq_lengths=True,  # micro-batches are padded to their own longest sequence
-        moe_token_dispatcher_type="alltoall",  # dense model; only so the config check accepts variable lengths
+        # micro-batches are padded to their own longest sequence: the pipeline's p2p sends learn each one's shape
+        # (only between stages: Megatron's allgather dispatcher refuses the flag, so it is off without pipelining)
+        variable_seq_lengths=layout.pp > 1,
         batch_p2p_comm=False,  # gloo cannot batch p2p; nccl is fine either way
+        **moe_config(arch, m, layout),
         **kwargs,
     )
 
 
-def layer_spec(arch: ModelArch, layout: Layout, varlen_attention: bool = False):
-    """Megatron's TE or local layer spec, its core attention swapped for model/attention.py's SDPAttention when
-    layout.attention is 'sdpa' (the spec's extension point: a class with DotProductAttention's arguments)."""
+def moe_config(arch: ModelArch, m, layout: Layout) -> dict:
+    """TransformerConfig's MoE fields: the router of Hugging Face's Qwen3-MoE (softmax over every expert, top k,
+    renormalised when norm_topk_prob; no scaling, bias, groups or capacity) and the layout's expert groups. A dense
+    model gets only the dispatcher (the config check wants one that accepts variable lengths). m: ModelConfig."""
+    if not arch.is_moe:
+        return {"moe_token_dispatcher_type": "alltoall"}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.num_experts_per_tok,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        # one entry per layer, 1 = experts: transformers' rule read into arch.moe_layers (Megatron's integer
+        # frequency puts experts at i % n == 0, not at (i + 1) % decoder_sparse_step == 0)
+        moe_layer_freq=[int(i in arch.moe_layers) for i in range(arch.num_layers)],
+        # top k of the logits then softmax over the k == softmax over all, top k, renormalised (norm_topk_prob)
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype=m.moe_router_dtype,
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_z_loss_coeff=m.moe_z_loss_coeff or None,
+        moe_token_dispatcher_type=m.moe_token_dispatcher,
+        moe_grouped_gemm=layout.use_te,  # TE's grouped GEMM on GPU; SequentialMLP (one GEMM per expert) otherwise
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+
+
+def layer_spec(arch: ModelArch, layout: Layout, tf_config, varlen_attention: bool = False, vp_stage=None):
+    """The decoder block spec of this pipeline stage: Megatron's TE or local layer spec, its core attention swapped
+    for model/attention.py's SDPAttention when layout.attention is 'sdpa' (the spec's extension point: a class with
+    DotProductAttention's arguments). A MoE model's block holds a dense and an expert layer spec, placed by
+    tf_config.moe_layer_freq. Under sequence parallel without Transformer Engine the hidden-size norms are
+    SequenceParallelRMSNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if arch.is_moe:
+        block = get_gpt_decoder_block_spec(
+            tf_config, use_transformer_engine=layout.use_te, normalization="RMSNorm", vp_stage=vp_stage,
+            pp_rank=layout.pp_rank,
+        )  # fmt: skip
+    else:
+        if layout.use_te:
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+        else:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+        layers = get_num_layers_to_build(tf_config, vp_stage=vp_stage, pp_rank=layout.pp_rank)
+        block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=None)
+    local_sp = layout.sequence_parallel and not layout.use_te
+    for layer in {id(x): x for x in block.layer_specs}.values():  # the one or two specs the layers share
+        _set_core_attention(layer, layout, varlen_attention)
+        if local_sp:
+            _set_norms(layer)
+    if local_sp:
+        block.layer_norm = SequenceParallelRMSNorm
+    elif block.layer_norm is None:  # what TransformerBlock gives a single layer spec's block
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        block.layer_norm = LayerNormImpl
+    return block
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in the local spec's place under sequence parallel (Megatron's own wrapper refuses it): each
+    TP rank normalises its share of the positions, and its weight is marked so that finalize_model_grads sums the
+    shares' gradients over the TP group (what Transformer Engine's norms do)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class HeadRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for Qwen3's per-head q/k norms under sequence parallel: they act on whole sequences after the
+    heads' tensor-parallel split (their gradients are summed over TP by TransformerConfig.qk_layernorm), so they are
+    the local spec's norms less its refusal of sequence parallel."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+
+
+def _set_norms(spec) -> None:
+    """A local layer spec's norms for sequence parallel: SequenceParallelRMSNorm on positions, HeadRMSNorm on q/k
+    heads."""
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, None) is not None:
+            setattr(attention, name, HeadRMSNorm)
+
+
+def _set_core_attention(spec, layout: Layout, varlen_attention: bool) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if layout.use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     attention = spec.submodules.self_attention.submodules
     if layout.attention == "sdpa":
         from megatron_dapo.model.attention import SDPAttention
@@ -120,7 +215,6 @@ def layer_spec(arch: ModelArch, layout: Layout, varlen_attention: bool = False):
         attention.core_attention = ModuleSpec(module=SDPAttention, params={"varlen": varlen_attention})
     elif layout.attention == "unfused":
         attention.core_attention = DotProductAttention
-    return spec
 
 
 def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
@@ -128,10 +222,10 @@ def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
     from megatron.core.models.gpt import GPTModel
 
     tf_config = transformer_config(arch, cfg, layout)
-    spec = layer_spec(arch, layout, cfg.model.varlen_attention)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
+        spec = layer_spec(arch, layout, tf_config, cfg.model.varlen_attention, vp)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
@@ -227,18 +321,23 @@ def unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
-def local_slots(chunks: list, arch: ModelArch) -> Iterator[_Slot]:
-    """Every parameter of this rank with its full Megatron name (global layer, local-spec names)."""
+def local_slots(chunks: list, arch: ModelArch, ep_rank: int = 0) -> Iterator[_Slot]:
+    """Every parameter of this rank with its full Megatron name (global layer, local-spec names, global expert
+    index: this expert-parallel rank's local expert j is ep_rank * experts per rank + j)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     for vp, chunk in enumerate(chunks):
         model = unwrap(chunk)
         offset = get_transformer_layer_offset(model.config, vp_stage=vp if len(chunks) > 1 else None)
+        per_rank = arch.num_experts // (model.config.expert_model_parallel_size or 1)
         for name, param in model.named_parameters():
             parsed = layer_of(name)
             if parsed is not None:
                 i, suffix = parsed
                 name = f"decoder.layers.{i + offset}.{local_suffix(suffix)}"
+                expert = expert_of(name)
+                if expert is not None:
+                    name = with_expert(name, ep_rank * per_rank + expert[1])
             elif name == "output_layer.weight" and arch.tie_word_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             yield _Slot(name, param)
@@ -259,11 +358,11 @@ def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelAr
     before build_optimizer: the optimizer takes its fp32 main params from these.
     """
     padded = padded_vocab_size(arch, layout.tp)
-    tp_rank = layout.tp_rank
-    for slot in local_slots(chunks, arch):
+    for slot in local_slots(chunks, arch, layout.ep_rank):
         if slot.full_name not in full:
             raise KeyError(f"no weights for Megatron parameter '{slot.full_name}'")
-        src = tp_shard(slot.full_name, _pad_vocab(slot.full_name, full[slot.full_name], padded), tp_rank, layout.tp)
+        rank, size = tp_place(slot.full_name, layout)
+        src = tp_shard(slot.full_name, _pad_vocab(slot.full_name, full[slot.full_name], padded), rank, size)
         if src.shape != slot.param.shape:
             raise ValueError(
                 f"'{slot.full_name}': checkpoint slice {tuple(src.shape)} does not fit parameter {tuple(slot.param.shape)}"
@@ -271,19 +370,31 @@ def load_full_weights(chunks: list, full: dict[str, torch.Tensor], arch: ModelAr
         slot.param.copy_(src)
 
 
+def tp_place(name: str, layout: Layout) -> tuple[int, int]:
+    """(rank, size) of the group a tensor is split over: the expert tensor-parallel group for an expert's weights,
+    the tensor-parallel group for every other tensor."""
+    return (layout.etp_rank, layout.etp) if expert_of(name) is not None else (layout.tp_rank, layout.tp)
+
+
 def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, layout: Layout) -> torch.Tensor:
     """This TP rank's slice of Megatron tensor `name` -> the full tensor, vocabulary padding dropped.
 
-    Collective over the TP group (every TP rank calls it for the same name); a replicated
-    tensor comes back as it is. The result is contiguous (gloo sends non-contiguous views wrong).
+    Collective over the TP group (the expert-TP group for an expert's tensor; every rank of it calls it for the same
+    name); a replicated tensor comes back as it is. The result is contiguous (gloo sends non-contiguous views wrong).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     t = local.detach().contiguous()
-    if tp_split_dim(name) is not None and layout.tp > 1:
-        shards = [torch.empty_like(t) for _ in range(layout.tp)]
-        dist.all_gather(shards, t, group=parallel_state.get_tensor_model_parallel_group())
+    size = tp_place(name, layout)[1]
+    if tp_split_dim(name) is not None and size > 1:
+        shards = [torch.empty_like(t) for _ in range(size)]
+        group = (
+            parallel_state.get_expert_tensor_parallel_group()
+            if expert_of(name) is not None
+            else parallel_state.get_tensor_model_parallel_group()
+        )
+        dist.all_gather(shards, t, group=group)
         t = tp_unshard(name, shards)
         del shards  # the slices are garbage once joined: free them before anything else is allocated
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -294,11 +405,11 @@ def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, layout: Layout) -
 def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
     """This pipeline stage's parameters (or their main grads) as full-TP Megatron tensors, vocab unpadded.
 
-    Collective over the TP group: every TP rank gets every tensor. Meant for checks and
-    small models; the weight bridge streams instead.
+    Collective over the TP group: every TP rank gets every tensor; with expert parallelism, only this rank's
+    experts (global names). Meant for checks and small models; the weight bridge streams instead.
     """
     out = {}
-    for slot in local_slots(chunks, arch):
+    for slot in local_slots(chunks, arch, layout.ep_rank):
         t = gather_tp(slot.full_name, slot.param.main_grad if grads else slot.param.data, arch, layout).float()
         out.setdefault(slot.full_name, t.clone())  # a tied embedding on first and last stage: the first copy
     return out
