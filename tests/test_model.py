@@ -275,7 +275,8 @@ def test_impossible_layouts_fail_fast(par, world, needle):
 
 def test_layout_checks_pass_and_count_dp():
     layout = check_layout(arch_of(layers=4), ParallelConfig(tp=2, pp=2), ModelConfig(), 8)
-    assert (layout.dp, layout.use_te, layout.sequence_parallel) == (2, False, False)
+    assert (layout.dp, layout.use_te, layout.sequence_parallel) == (2, False, True)  # SP on the local spec too
+    assert not check_layout(arch_of(), ParallelConfig(tp=2, sequence_parallel=False), ModelConfig(), 2).sequence_parallel
     with pytest.raises(LayoutError, match="model.fp8='e4m3' needs Transformer Engine"):
         check_layout(arch_of(), ParallelConfig(), ModelConfig(fp8="e4m3"), 1)
     with pytest.raises(LayoutError, match="transformer_impl='transformer_engine'"):
@@ -286,7 +287,7 @@ def test_bad_hf_configs(tmp_path):
     with pytest.raises(ArchError, match="not supported; expected one of"):
         ModelArch.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     qwen3 = json.loads(tiny_hf_model("qwen3").config.to_json_string())
-    for other in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):  # model_type qwen3 does not make them Qwen3
+    for other in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):  # model_type qwen3 does not make them Qwen3
         with pytest.raises(ArchError) as e:
             ModelArch.from_hf_config({**qwen3, "architectures": [other]})
         assert len(str(e.value).splitlines()) == 1 and f"field 'architectures'=['{other}']" in str(e.value)

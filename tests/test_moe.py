@@ -27,7 +27,9 @@ from dapo_reference import (
 )
 from megatron_helpers import Job, hf_response_logprobs, random_batch, result, save_case, tiny_hf_model
 
-from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.model.arch import ArchError, ModelArch
+from megatron_dapo.model.parallel import LayoutError, check_layout
 
 LAYERS = 4  # MoE, dense, MoE, MoE: two pipeline stages of two layers, one of them holding the dense one
 VOCAB = 250
@@ -243,3 +245,107 @@ def test_tensor_times_expert_parallel_equals_one_process(model, batch, arch, ran
     got = result(ran, "tp2-ep2")
     assert_same(result(ran, "ref"), got, "tp2 x ep2")
     assert_matches_float64(dapo_float64(model, batch), got, arch, "tp2 x ep2")
+
+
+# ---------------------------------------------------------------- the architecture, the layout, the weight maps
+
+
+def moe_config(**changes) -> dict:
+    import json
+
+    return {**json.loads(moe_model().config.to_json_string()), **changes}
+
+
+def test_arch_reads_the_moe_fields():
+    """num_experts (saved by transformers 5 as num_local_experts), the top k, the experts' width, the router's
+    renormalisation, and which layers hold experts: transformers' rule, (i + 1) % decoder_sparse_step == 0 unless
+    in mlp_only_layers."""
+    arch = ModelArch.from_hf_config(moe_config())
+    assert (arch.family, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (
+        "qwen3_moe", 8, 2, 32
+    )  # fmt: skip
+    assert arch.norm_topk_prob and arch.qk_layernorm and arch.head_dim == 32 and arch.moe_layers == (0, 2, 3)
+    sparse = ModelArch.from_hf_config(moe_config(decoder_sparse_step=2, mlp_only_layers=[3], num_experts=4))
+    assert sparse.moe_layers == (1,) and sparse.num_experts == 4
+    assert not ModelArch.from_hf_config(moe_config(norm_topk_prob=False)).norm_topk_prob
+    assert ModelArch.from_hf_config(moe_config(router_aux_loss_coef=0.02)).router_aux_loss_coef == 0.02
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"shared_expert_intermediate_size": 64}, "field 'shared_expert_intermediate_size'=64 is not supported"),
+        ({"scoring_func": "sigmoid"}, "field 'scoring_func'='sigmoid' is not supported"),
+        ({"routed_scaling_factor": 2.5}, "field 'routed_scaling_factor'=2.5 is not supported"),
+        ({"num_experts_per_tok": 9}, "field 'num_experts_per_tok'=9 exceeds num_experts=8"),
+        ({"num_experts_per_tok": 0}, "field 'num_experts_per_tok'=0; expected an integer >= 1"),
+        ({"mlp_only_layers": [4]}, "field 'mlp_only_layers'=[4]; expected a list of layer indices 0..3"),
+        ({"decoder_sparse_step": 5}, "leave no MoE layer"),
+        ({"moe_intermediate_size": None}, "field 'moe_intermediate_size'=None"),
+    ],
+)
+def test_arch_refuses_what_it_cannot_build(changes, needle):
+    config = moe_config(**changes)
+    if changes.get("num_experts_per_tok") == 9:
+        config.pop("num_experts", None)
+    with pytest.raises(ArchError) as e:
+        ModelArch.from_hf_config(config, "moe/config.json")
+    assert str(e.value).startswith("moe/config.json: ") and needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "par, world, model_fields, needle",
+    [
+        (ParallelConfig(ep=3), 3, {}, "parallel.ep=3 must divide the model's 8 experts"),
+        (ParallelConfig(ep=4), 2, {}, "world size 2 is not a multiple of parallel.etp x parallel.ep x parallel.pp"),
+        (ParallelConfig(etp=2), 2, {}, "parallel.etp=2 must divide parallel.tp=1"),
+        (ParallelConfig(pp=2), 2, {"moe_token_dispatcher": "allgather"}, "'allgather' cannot run with parallel.pp=2"),
+    ],
+)
+def test_impossible_expert_layouts_fail_fast(arch, par, world, model_fields, needle):
+    with pytest.raises(LayoutError) as e:
+        check_layout(arch, par, ModelConfig(**model_fields), world)
+    assert needle in str(e.value)
+
+
+def test_expert_layouts_count_the_experts_data_parallel(arch):
+    """Megatron's expert groups: etp x ep x edp x pp = world, beside tp x cp x dp x pp."""
+    layout = check_layout(arch, ParallelConfig(tp=2, ep=2), ModelConfig(), 8)
+    assert (layout.dp, layout.ep, layout.etp, layout.edp) == (4, 2, 1, 4)
+    layout = check_layout(arch, ParallelConfig(tp=2, etp=2, ep=4, pp=2), ModelConfig(), 16)
+    assert (layout.dp, layout.edp) == (4, 1)
+    dense = ModelArch.from_hf_config(json_config(tiny_hf_model("qwen2")))
+    with pytest.raises(LayoutError, match="parallel.ep=2 needs a mixture-of-experts model; this one is dense"):
+        check_layout(dense, ParallelConfig(ep=2), ModelConfig(), 2)
+
+
+def json_config(model) -> dict:
+    import json
+
+    return json.loads(model.config.to_json_string())
+
+
+def test_conversion_round_trips_bit_exact(tmp_path, model, arch):
+    """HF -> Megatron -> HF: the router as mlp.router, each expert's cat(gate, up) as its fc1 and down as its fc2,
+    and back under the checkpoint's per-expert names, bit for bit; transformers' fused in-memory experts and the
+    per-expert checkpoint it saves give the same Megatron tensors."""
+    from safetensors.torch import load_file
+
+    from megatron_dapo.convert.layouts import hf_to_megatron, megatron_names, megatron_shape, megatron_to_hf
+
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")  # experts one by one
+    assert "model.layers.0.mlp.experts.5.gate_proj.weight" in saved
+    fused = hf_to_megatron(model.state_dict(), arch)
+    per_expert = hf_to_megatron(saved, arch)
+    assert list(fused) == list(per_expert) == megatron_names(arch)
+    for name, t in fused.items():
+        assert torch.equal(t, per_expert[name]), name
+        assert tuple(t.shape) == megatron_shape(name, arch), name
+    back = {n: t for name, full in fused.items() for n, t in megatron_to_hf(name, full, arch)}
+    assert back.keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(back[name], t), name
+    e5 = fused["decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"]
+    assert torch.equal(e5, torch.cat([saved["model.layers.2.mlp.experts.5.gate_proj.weight"],
+                                      saved["model.layers.2.mlp.experts.5.up_proj.weight"]]))  # fmt: skip

@@ -165,7 +165,7 @@ def layer_spec(arch: ModelArch, layout: Layout, tf_config, varlen_attention: boo
     for layer in {id(x): x for x in block.layer_specs}.values():  # the one or two specs the layers share
         _set_core_attention(layer, layout, varlen_attention)
         if local_sp:
-            _set_norms(layer)
+            _set_norms(layer, arch.qk_layernorm)
     if local_sp:
         block.layer_norm = SequenceParallelRMSNorm
     elif block.layer_norm is None:  # what TransformerBlock gives a single layer spec's block
@@ -193,15 +193,14 @@ class HeadRMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=eps)
 
 
-def _set_norms(spec) -> None:
+def _set_norms(spec, qk_layernorm: bool) -> None:
     """A local layer spec's norms for sequence parallel: SequenceParallelRMSNorm on positions, HeadRMSNorm on q/k
-    heads."""
+    heads (when the model has them)."""
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    attention = spec.submodules.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attention, name, None) is not None:
-            setattr(attention, name, HeadRMSNorm)
+    if qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
 
 
 def _set_core_attention(spec, layout: Layout, varlen_attention: bool) -> None:
