@@ -15,27 +15,45 @@ LAYOUTS = {  # name: (family, tied, nproc, overrides)
     "pp2-tied": ("llama", True, 2, ["parallel.pp=2"]),
     "pp2-bf16": ("qwen2", False, 2, ["parallel.pp=2", "model.dtype=bf16"]),  # bf16 tensors over the stages
     "qwen3-tp2": ("qwen3", False, 2, ["parallel.tp=2"]),  # q_norm / k_norm: replicated, each under its own name
+    "moe": ("qwen3_moe", False, 1, []),  # the router and every expert under the checkpoint's per-expert names
+    "moe-ep2": ("qwen3_moe", False, 2, ["parallel.ep=2"]),  # each rank holds 4 of a layer's 8 experts
+    "moe-pp2-ep2": ("qwen3_moe", False, 4, ["parallel.pp=2", "parallel.ep=2"]),  # experts over EP, then the stages
 }
+LAYERS = {"qwen3_moe": 4}  # a dense layer among the MoE ones, two per stage at PP 2
+
+
+def bridge_model(family: str, tied: bool):
+    return tiny_hf_model(family, seed=9, vocab_size=250, tied=tied, layers=LAYERS.get(family, 2))
+
+
+def checkpoint_tensors(model, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """What transformers saves (a MoE layer's experts one by one, as vLLM loads them)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
 
 
 def megatron_jobs(root: Path) -> dict[str, Job]:
     """Every sync of this file but the memory test's (tests/conftest.py megatron_runs runs them)."""
     jobs = {}
     for name, (family, tied, nproc, overrides) in LAYOUTS.items():
-        case = save_case(tiny_hf_model(family, seed=9, vocab_size=250, tied=tied), random_batch(2, 8, 250), root / name)
+        case = save_case(bridge_model(family, tied), random_batch(2, 8, 250), root / name)
         jobs[name] = Job(nproc, case, ("--mode", "bridge", f"rollout.bucket_bytes={BUCKET}", *overrides), nproc > 1)
     small = save_case(tiny_hf_model("qwen2", vocab_size=250), random_batch(2, 8, 250), root / "small-bucket")
     jobs["small-bucket"] = Job(1, small, ("--mode", "bridge", "rollout.bucket_bytes=1000"))
     return jobs
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "tp1" else []) for n in LAYOUTS])
-def test_bridge_streams_the_hf_state_dict(ran, name):
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n not in ("tp1", "moe") else []) for n in LAYOUTS]
+)
+def test_bridge_streams_the_hf_state_dict(ran, name, tmp_path):
     family, tied = LAYOUTS[name][:2]
-    model = tiny_hf_model(family, seed=9, vocab_size=250, tied=tied)
+    model = bridge_model(family, tied)
     bucket = BUCKET
     got = result(ran, name)
-    want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    want = {k: v for k, v in checkpoint_tensors(model, tmp_path).items() if not (tied and k == "lm_head.weight")}
     assert got["hf"].keys() == want.keys()
     if family == "qwen3":  # unequal norms (a swap would show), sent as they are
         q, k = want["model.layers.1.self_attn.q_norm.weight"], want["model.layers.1.self_attn.k_norm.weight"]

@@ -8,6 +8,11 @@ it. Megatron names become Hugging Face names (QKV split per query group, fc1 spl
 gate and up) and are packed into buckets of at most `bucket_bytes`. No rank ever holds
 more than one bucket plus the tensor in flight, never the whole model.
 
+A mixture-of-experts model's experts are split over the expert-parallel ranks of each stage: an expert's tensor is
+gathered over its expert-TP group by the EP rank that holds it, broadcast over the EP group, then over the pipeline
+like any other, one tensor at a time, so no rank ever holds more of a layer's experts than one bucket and the
+tensor in flight.
+
 An engine that takes quantized weights says so in its `weight_format` (rollout/quantize.py): each
 tensor is then encoded on the fly as it joins its bucket (FP8: the weight plus its scales, or the
 FP8-rounded weight dequantized), so quantizing never holds more than one tensor either.
@@ -25,6 +30,7 @@ from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatr
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
+from megatron_dapo.model.sharding import expert_of
 from megatron_dapo.rollout.quantize import encode
 from megatron_dapo.rollout.weight_transport import Bucket
 
@@ -37,7 +43,7 @@ class WeightBridge:
 
         self.arch, self.layout, self.bucket_bytes = arch, layout, bucket_bytes
         self.params = {}
-        for slot in local_slots(model_chunks, arch):
+        for slot in local_slots(model_chunks, arch, layout.ep_rank):
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = layout.pp_rank
@@ -55,6 +61,16 @@ class WeightBridge:
             for name, dtype in entries:
                 if name not in self.owner:
                     self.owner[name], self.dtypes[name] = rank, getattr(torch, dtype)
+        self.ep_ranks = [layout.rank]
+        if arch.is_moe:  # an expert lives where its layer's router does, on EP rank expert // (experts per rank)
+            for name in megatron_names(arch):
+                expert = expert_of(name)
+                if expert is not None:
+                    router = f"decoder.layers.{expert[0]}.mlp.router.weight"
+                    self.owner[name], self.dtypes[name] = self.owner[router], self.dtypes[router]
+            if layout.ep > 1:
+                self.ep_group = parallel_state.get_expert_model_parallel_group()
+                self.ep_ranks = dist.get_process_group_ranks(self.ep_group)
         missing = [n for n in megatron_names(arch) if n not in self.owner]
         if missing:
             raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
@@ -63,11 +79,15 @@ class WeightBridge:
         self._encode_seconds = 0.0
 
     def _full_tensor(self, name: str) -> torch.Tensor:
-        """The full Megatron tensor on every rank (collective over the TP and PP groups)."""
-        if self.owner[name] == self.pp_rank:
+        """The full Megatron tensor on every rank (collective over the TP, EP and PP groups)."""
+        expert = expert_of(name)
+        holder = expert[1] // (self.arch.num_experts // self.layout.ep) if expert else self.layout.ep_rank
+        if self.owner[name] == self.pp_rank and holder == self.layout.ep_rank:
             t = gather_tp(name, self.params[name], self.arch, self.layout)
         else:
             t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtypes[name], device=self.layout.device)
+        if expert and self.layout.ep > 1 and self.owner[name] == self.pp_rank:
+            dist.broadcast(t, src=self.ep_ranks[holder], group=self.ep_group)
         if self.layout.pp > 1:
             dist.broadcast(t, src=self.pp_ranks[self.owner[name]], group=self.pp_group)
         return t
