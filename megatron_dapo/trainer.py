@@ -59,9 +59,11 @@ def train_samples(
     responses: dict[SampleId, Response],
     prompts: Any,
     overlong_filter: bool,
+    engine_routes: bool = False,
 ) -> list[TrainSample]:
-    """TrainSamples for the responses `ids` of the batch: overlong filtering, the engine's logprobs for truncated IS;
-    their advantages come once the step's rewards are final (assign_advantages).
+    """TrainSamples for the responses `ids` of the batch: overlong filtering, the engine's logprobs for truncated IS
+    and, with engine_routes (routing replay R3), its routes; their advantages come once the step's rewards are final
+    (assign_advantages).
 
     batch: the step's groups; responses: (key, j) -> Response for every id; prompts[index] -> Prompt.
     """
@@ -73,12 +75,20 @@ def train_samples(
     samples = []
     for key, j in ids:
         g, r = batch[by_key[key]], responses[(key, j)]
+        prompt = list(prompts[g.index].token_ids)
+        if engine_routes and (r.routes is None or len(r.routes) != len(prompt) + len(r.token_ids) - 1):
+            got = "none" if r.routes is None else f"{len(r.routes)} positions"
+            raise RuntimeError(
+                f"model.router_replay=r3: response {j} of group {key} came with {got} of routes, expected "
+                f"{len(prompt) + len(r.token_ids) - 1} (prompt + response - 1): the engine did not capture them"
+            )
         samples.append(
             TrainSample(
-                prompt_ids=list(prompts[g.index].token_ids),
+                prompt_ids=prompt,
                 response_ids=list(r.token_ids),
                 rollout_logp=None if r.logprobs is None else torch.tensor(r.logprobs, dtype=torch.float32),
                 in_loss=bool(in_loss[by_key[key], j]),
+                routes=r.routes if engine_routes else None,
             )
         )
     return samples
@@ -154,6 +164,8 @@ class Trainer:
         self.cfg = cfg
         hf = Path(cfg.model.hf_path)
         self.arch = ModelArch.from_hf_dir(hf)
+        self.replay = cfg.model.router_replay if self.arch.is_moe else "none"
+        """model.router_replay for this model: 'none' for a dense one."""
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed)
         check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -200,8 +212,8 @@ class Trainer:
         responses, sent = self.rollout.responses(
             batch, wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb]
         )
-        overlong = self.cfg.algorithm.overlong_filter
-        slices = [train_samples(batch.groups, ids, responses, self.dataset, overlong) for ids in mine]
+        overlong, r3 = self.cfg.algorithm.overlong_filter, self.replay == "r3"
+        slices = [train_samples(batch.groups, ids, responses, self.dataset, overlong, r3) for ids in mine]
         return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
 
     def _sum_once(self, total: torch.Tensor) -> torch.Tensor:
@@ -256,7 +268,7 @@ class Trainer:
         temperature = cfg.rollout.temperature
         with timer.phase("old_logp"):
             mine = [s for mb in mini_batches for s in mb]
-            old = self.policy.compute_logprobs(mine, temperature)
+            old = self.policy.compute_logprobs(mine, temperature, record_routes=self.replay == "r2")
             pairs = []
             if old is not None:
                 for s, lp in zip(mine, old):
@@ -267,7 +279,8 @@ class Trainer:
         kl, rewards = {}, batch_rewards(batch.groups)
         if self.reference is not None:
             with timer.phase("ref_logp"):
-                ref = self.reference.compute_logprobs(mine, temperature)
+                # the reference routes by itself unless the engine's routes are replayed (R3); R2's are the policy's
+                ref = self.reference.compute_logprobs(mine, temperature, replay=self.replay == "r3")
                 for s, lp in zip(mine, ref or []):
                     s.ref_logp = lp["logp"]
                 if a.kl_in_reward:

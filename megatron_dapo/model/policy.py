@@ -196,6 +196,7 @@ class MegatronPolicy:
         temperature: float,
         with_entropy: bool = False,
         record_routes: bool = False,
+        replay: bool = True,
     ) -> Optional[list[dict[str, torch.Tensor]]]:
         """Response-token logprobs (and entropy if with_entropy) under the current weights (forward only).
 
@@ -203,7 +204,7 @@ class MegatronPolicy:
         float32 too if with_entropy (the same pass over the logits); None on other stages. A MoE model replays the
         samples' routes when they carry them; record_routes (R2) instead routes by itself and sets each sample's
         `routes` (in place, on every pipeline stage: its own layers, placeholders for the others') to what its
-        routers picked.
+        routers picked. replay=False routes by itself whatever the samples carry.
         """
         for m in self.model:
             m.eval()
@@ -222,7 +223,8 @@ class MegatronPolicy:
                 m.to(self.layout.device)
         mbs = self._microbatches(samples, forward_only=True)
         try:
-            outputs = self._run(mbs, loss_fn, forward_only=True, routing=self._routing_mode(samples, record_routes))
+            mode = self._routing_mode(samples, record_routes) if replay or record_routes else "off"
+            outputs = self._run(mbs, loss_fn, forward_only=True, routing=mode)
         finally:
             for m in self.model:
                 if self.offload:

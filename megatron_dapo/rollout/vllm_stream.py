@@ -45,6 +45,8 @@ class _StreamGroup:
     finished: list[bool]
     request_ids: list[str | None]
     """vLLM request id of sample j while it generates; None once finished (or if it never needed a request)."""
+    routes: list[Any]
+    """Sample j's routes (Response.routes) once complete, when the engine captures them; else None."""
     unfinished: int
     """Samples still generating: the group is complete when this reaches 0."""
 
@@ -58,6 +60,7 @@ class _StreamGroup:
                 truncated=self.truncated[j],
                 versions=self.versions[j],
                 finished=self.finished[j],
+                routes=self.routes[j],
             )
             for j in range(self.n)
         ]
@@ -76,6 +79,8 @@ class StreamMixin:
         self._sample_of: dict[str, tuple[_StreamGroup, int]] = {}  # vLLM request id -> (its group, sample j)
         self._done_at_submit: list[int] = []  # keys of groups submitted already complete: the next step returns them
         self._stream_requests = 0  # makes each streamed request's id unique for the engine's lifetime
+        self._internal: dict[str, str] = {}  # our request id -> vLLM's internal one (route capture's key)
+        self.route_capture = None  # RouteCapture when the engine captures routes (VLLMEngine capture_routes)
         self._updating_in_flight = False  # update_weights_in_flight() is applying weights under streamed groups
 
     def submit(
@@ -110,12 +115,17 @@ class StreamMixin:
                     params.output_kind = RequestOutputKind.DELTA  # each step returns only its new tokens
                     rid = f"stream-{self._stream_requests}"
                     self._stream_requests += 1
-                    self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                    internal = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
                     added.append(rid)
                     rec.request_ids[j] = rid
+                    if self.route_capture is not None:
+                        self._internal[rid] = internal
+                        self.route_capture.expect(internal)
         except Exception as e:  # take back what this call queued: a submit is all or nothing
             with contextlib.suppress(Exception):
                 self.llm.llm_engine.abort_request(added)
+            for rid in added:
+                self._take_routes(rid)
             if rejected_input(e):  # vLLM rejected an input (e.g. a token id outside the vocabulary)
                 raise ValueError(f"vLLM rejected a request of this submit: {e}") from e
             self._broken = f"submit failed: {type(e).__name__}: {e}"
@@ -197,12 +207,15 @@ class StreamMixin:
             truncated=[False] * g.n,
             finished=[request is None for request in plan],
             request_ids=[None] * g.n,
+            routes=[None] * g.n,
             unfinished=sum(request is not None for request in plan),
         )
         for j, prefix in enumerate(g.prefixes or []):
             rec.tokens[j] = list(prefix.token_ids)
             rec.logprobs[j] = None if prefix.logprobs is None else list(prefix.logprobs)
             rec.versions[j] = None if prefix.versions is None else list(prefix.versions)
+            if plan[j] is None:  # kept as it is: so are its routes (a continued one gets its re-prefill's)
+                rec.routes[j] = prefix.routes
             if plan[j] is None:
                 rec.truncated[j] = prefix.truncated if prefix.finished else True
         return rec
@@ -268,6 +281,8 @@ class StreamMixin:
         rec.request_ids[j] = None
         rec.finished[j] = True
         rec.truncated[j] = c.finish_reason == "length"
+        if self.route_capture is not None:
+            rec.routes[j] = self._finished_routes(out.request_id, rec, j)
         rec.unfinished -= 1
         return rec if rec.unfinished == 0 else None
 
@@ -285,7 +300,8 @@ class StreamMixin:
         self._done_at_submit = [k for k in self._done_at_submit if k in self._groups]
         rids = [rid for rec in recs for rid in rec.request_ids if rid is not None]
         for rid in rids:
-            del self._sample_of[rid]
+            rec, j = self._sample_of.pop(rid)
+            rec.routes[j] = self._take_routes(rid)  # what was computed before the stop
         if rids and self._broken is None:  # a dead engine has nothing left to stop
             try:
                 self.llm.llm_engine.abort_request(rids)
@@ -296,6 +312,25 @@ class StreamMixin:
             len(toks) for rec in recs for toks, fin in zip(rec.tokens, rec.finished) if not fin
         )
         return dict(self._decoded(recs))
+
+    def _take_routes(self, rid: str):
+        """A request's captured routes (by our request id), forgotten by the capture; None without capture."""
+        if self.route_capture is None:
+            return None
+        return self.route_capture.take(self._internal.pop(rid))
+
+    def _finished_routes(self, rid: str, rec: _StreamGroup, j: int):
+        """A finished sample's routes: one per position but the last, the prompt's and every token's (a continued
+        sample's prompt holds its tokens before the pause: their routes are the continuation's re-prefill)."""
+        routes = self._take_routes(rid)
+        want = len(rec.prompt_ids) + len(rec.tokens[j]) - 1
+        if routes.shape[0] != want:
+            self._broken = f"routes of group {rec.key} sample {j}: {routes.shape[0]} positions, expected {want}"
+            raise RuntimeError(
+                f"vLLM engine for model {self.model_path!r}: captured routes for {routes.shape[0]} positions of group "
+                f"{rec.key} sample {j}, expected {want} (prompt + tokens - 1): is prefix caching on?"
+            )
+        return routes
 
     def in_flight(self) -> int:
         """Groups submitted and neither returned by step() nor aborted."""

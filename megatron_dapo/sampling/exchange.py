@@ -11,6 +11,7 @@ replica that trains it. Without torch.distributed (one process) nothing moves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -205,19 +206,32 @@ def gather_stopped(comm: Comm, stopped: dict[int, Stopped]) -> dict[int, Stopped
 # ------------------------------------------------------------------ training payloads
 
 
+@dataclass(frozen=True)
+class RouteShape:
+    """What a receiver needs to rebuild the responses' routes (Response.routes, routing replay R3): rows(sid), the
+    positions of response sid (its prompt's tokens + its own - 1); the MoE layers, the top k and the dtype of each."""
+
+    rows: Callable[[SampleId], int]
+    layers: int
+    topk: int
+    dtype: torch.dtype
+
+
 def deliver(
     comm: Comm,
     batch: list[GroupMeta],
     local: dict[int, list[Response]],
     owner_rank: Callable[[GroupMeta], int],
     wanted_by: Callable[[int], list[SampleId]],
+    routes: Optional[RouteShape] = None,
 ) -> tuple[dict[SampleId, Response], int]:
     """Send each trained response to the ranks that train it; return this rank's (and the bytes it sent).
 
     batch: the step's groups (every rank has the same list). local: this rank's responses of the
     groups it owns, by key. owner_rank(meta): the rank holding a group's responses. wanted_by(rank):
     the samples that rank trains (every rank computes every rank's list, so senders and receivers
-    agree without asking). Returns {(key, j): Response with token_ids and logprobs} for wanted_by(rank).
+    agree without asking). routes: the responses carry routes of this shape, sent too. Returns
+    {(key, j): Response with token_ids, logprobs (and routes)} for wanted_by(rank).
     """
     by_key = {g.key: g for g in batch}
     me = comm.rank
@@ -239,21 +253,28 @@ def deliver(
             logps = torch.tensor(
                 [x for r in responses for x in (r.logprobs or [float("nan")] * len(r.token_ids))], dtype=torch.float32
             )
-            sends.append((peer, tokens.to(comm.device), logps.to(comm.device)))
+            payload = [tokens, logps]
+            if routes is not None:
+                payload.append(_routes_payload(out, responses, routes))
+            sends.append((peer, [t.to(comm.device) for t in payload]))
         if inc:
             n = sum(by_key[k].lengths[j] for k, j in inc)
-            buf_t = torch.empty(n, dtype=torch.int32, device=comm.device)
-            buf_l = torch.empty(n, dtype=torch.float32, device=comm.device)
-            recvs.append((inc, buf_t, buf_l))
-            handles += [dist.irecv(buf_t, peer), dist.irecv(buf_l, peer)]
+            bufs = [torch.empty(n, dtype=torch.int32, device=comm.device)]
+            bufs.append(torch.empty(n, dtype=torch.float32, device=comm.device))
+            if routes is not None:
+                rows = sum(routes.rows(sid) for sid in inc)
+                bufs.append(torch.empty(rows, routes.layers, routes.topk, dtype=routes.dtype, device=comm.device))
+            recvs.append((inc, bufs))
+            handles += [dist.irecv(b, peer) for b in bufs]
     sent = 0
-    for peer, tokens, logps in sends:
-        handles += [dist.isend(tokens, peer), dist.isend(logps, peer)]
-        sent += tokens.numel() * 4 + logps.numel() * 4
+    for peer, payload in sends:
+        handles += [dist.isend(t, peer) for t in payload]
+        sent += sum(t.numel() * t.element_size() for t in payload)
     for h in handles:
         h.wait()
-    for inc, buf_t, buf_l in recvs:
-        tokens, logps, at = buf_t.cpu().tolist(), buf_l.cpu(), 0
+    for inc, bufs in recvs:
+        tokens, logps, at, row = bufs[0].cpu().tolist(), bufs[1].cpu(), 0, 0
+        all_routes = bufs[2].cpu() if routes is not None else None
         for k, j in inc:
             n = by_key[k].lengths[j]
             lp = logps[at : at + n]
@@ -263,5 +284,24 @@ def deliver(
                 logprobs=None if n and torch.isnan(lp).all() else lp.tolist(),
                 truncated=by_key[k].truncated[j],
             )
+            if all_routes is not None:
+                rows = routes.rows((k, j))
+                mine[(k, j)].routes = all_routes[row : row + rows].clone()
+                row += rows
             at += n
     return mine, sent
+
+
+def _routes_payload(sids: list[SampleId], responses: list[Response], shape: RouteShape) -> torch.Tensor:
+    """The responses' routes end to end, [sum of rows, layers, k]; a response without its routes is an error here,
+    on the rank that generated it."""
+    parts = []
+    for sid, r in zip(sids, responses):
+        if r.routes is None or tuple(r.routes.shape) != (shape.rows(sid), shape.layers, shape.topk):
+            got = None if r.routes is None else tuple(r.routes.shape)
+            raise RuntimeError(
+                f"routing replay: response {sid} has routes of shape {got}, expected "
+                f"{(shape.rows(sid), shape.layers, shape.topk)}"
+            )
+        parts.append(r.routes.to(shape.dtype))
+    return torch.cat(parts) if parts else torch.zeros(0, shape.layers, shape.topk, dtype=shape.dtype)
