@@ -234,6 +234,13 @@ def tiny_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """tiny_qwen3_moe(seed=0, copy_to=None): model/tiny.py's Qwen3-MoE (3 layers, the middle one dense, 8 experts
+    top 2, near-tied router rows)."""
+    return _tiny_model(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def two_steps(tmp_path_factory, tiny_qwen2):
     """A 2-step run in one process, built once per test run (_built_once) for the trainer's and the launchers' tests:
     the tiny model, 64 addition problems, evaluation on 5 more after step 2 (at temperature 0.6, not the rollouts'

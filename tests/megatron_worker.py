@@ -22,6 +22,10 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
 - attention: model/attention.py's SDPAttention against Megatron's unfused DotProductAttention built from the policy's
   own TransformerConfig (this rank's heads under TP): outputs and input gradients of padded rows (GQA, one row,
   one token) and of packed rows (one SDPA call per sequence) against each sequence alone, in float64 comparisons.
+- routes (a MoE case): engines started from random weights take the policy's weights through the bridge and stream
+  samples with their routes captured (rollout/vllm_routes.py): an fp32 engine, whose routes the policy's own
+  routers must pick (recorded), and whose logprobs the policy must give when it replays them; a bf16 engine, whose
+  rollout KL against the fp32 policy is measured with the policy routing by itself and replaying the engine's routes.
 - vllm: a vLLM engine (one per rank, in-process, serving --case's HF checkpoint) generates,
   the policy takes one train step, the bridge syncs the new weights into the engine, the
   engine generates again; the policy then scores the engine's responses.
@@ -44,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--mode",
-        choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan", "attention"),
+        choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan", "attention", "routes"),
         default="train",
     )
     ap.add_argument("--temperature", type=float, default=0.9)
@@ -146,8 +150,8 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
         finish(policy, last)
         return
-    if args.mode in ("vllm", "serve"):
-        run = vllm_sync if args.mode == "vllm" else vllm_serve
+    if args.mode in ("vllm", "serve", "routes"):
+        run = {"vllm": vllm_sync, "serve": vllm_serve, "routes": routes_check}[args.mode]
         result.update(run(policy, samples, cfg, arch, layout, args.case))
         if parallel_state.get_tensor_model_parallel_rank() == 0 and result.get("megatron") is not None:
             torch.save(result, os.path.join(args.out, f"rank{layout.rank}.pt"))
@@ -451,13 +455,15 @@ _ENGINES: dict = {}
 launch (one vLLM start-up for all), closed by the last one (finish)."""
 
 
-def _engine(model_dir: str, load_format: str = "auto"):
+def _engine(model_dir: str, load_format: str = "auto", dtype: str = "float32", capture_routes: bool = False):
     """This rank's in-process engine: every rank builds one (vLLM's set-up is collective over the world)."""
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-    key = (model_dir, load_format)
+    key = (model_dir, load_format, dtype, capture_routes)
     if key not in _ENGINES:
-        _ENGINES[key] = VLLMEngine(model_dir, dtype="float32", max_model_len=256, seed=0, load_format=load_format)
+        _ENGINES[key] = VLLMEngine(
+            model_dir, dtype=dtype, max_model_len=256, seed=0, load_format=load_format, capture_routes=capture_routes
+        )
     return _ENGINES[key]
 
 
@@ -508,6 +514,43 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         "metrics": metrics,
         "sync": sync,
     }
+
+
+def routes_check(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
+    """The 'routes' mode (module docstring): per engine dtype, the streamed samples, the engine's routes and logprobs,
+    the policy's recorded routes and its logprobs routing by itself and replaying."""
+    from dataclasses import replace
+
+    from megatron_dapo.model.policy import TrainSample
+    from megatron_dapo.rollout.engine import GroupRequest
+    from megatron_dapo.rollout.weight_bridge import WeightBridge
+
+    bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
+    out: dict = {"megatron": "set"}
+    for dtype in ("float32", "bfloat16"):
+        engine = _engine(model_dir, load_format="dummy", dtype=dtype, capture_routes=True)
+        bridge.sync(engine)
+        groups = [
+            GroupRequest(key=i, prompt_ids=s.prompt_ids, n=4, seed=11 + i, version=0) for i, s in enumerate(samples)
+        ]
+        engine.submit(groups, temperature=1.0, top_p=1.0, max_tokens=16)
+        done: dict = {}
+        while engine.in_flight():
+            done.update(engine.step())
+        drawn = [TrainSample(prompt_ids=g.prompt_ids, response_ids=r.token_ids) for g in groups for r in done[g.key]]
+        engine_routes = [r.routes for g in groups for r in done[g.key]]
+        own = policy.compute_logprobs(drawn, 1.0, record_routes=True)
+        replayed = policy.compute_logprobs([replace(s, routes=r) for s, r in zip(drawn, engine_routes)], 1.0)
+        out[dtype] = {
+            "prompts": [s.prompt_ids for s in drawn],
+            "responses": [s.response_ids for s in drawn],
+            "engine_routes": engine_routes,
+            "recorded_routes": [s.routes for s in drawn],
+            "engine_logp": [torch.tensor(r.logprobs) for g in groups for r in done[g.key]],
+            "own_logp": [x["logp"] for x in own],
+            "replayed_logp": [x["logp"] for x in replayed],
+        }
+    return out
 
 
 if __name__ == "__main__":

@@ -276,7 +276,9 @@ def test_impossible_layouts_fail_fast(par, world, needle):
 def test_layout_checks_pass_and_count_dp():
     layout = check_layout(arch_of(layers=4), ParallelConfig(tp=2, pp=2), ModelConfig(), 8)
     assert (layout.dp, layout.use_te, layout.sequence_parallel) == (2, False, True)  # SP on the local spec too
-    assert not check_layout(arch_of(), ParallelConfig(tp=2, sequence_parallel=False), ModelConfig(), 2).sequence_parallel
+    assert not check_layout(
+        arch_of(), ParallelConfig(tp=2, sequence_parallel=False), ModelConfig(), 2
+    ).sequence_parallel
     with pytest.raises(LayoutError, match="model.fp8='e4m3' needs Transformer Engine"):
         check_layout(arch_of(), ParallelConfig(), ModelConfig(fp8="e4m3"), 1)
     with pytest.raises(LayoutError, match="transformer_impl='transformer_engine'"):

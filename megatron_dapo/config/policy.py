@@ -128,7 +128,9 @@ class ModelConfig:
             f"one of {TRANSFORMER_IMPLS}",
         )
         check(self.attention in ATTENTION_IMPLS, "model.attention", self.attention, f"one of {ATTENTION_IMPLS}")
-        check(self.router_replay in ROUTER_REPLAYS, "model.router_replay", self.router_replay, f"one of {ROUTER_REPLAYS}")
+        check(
+            self.router_replay in ROUTER_REPLAYS, "model.router_replay", self.router_replay, f"one of {ROUTER_REPLAYS}"
+        )
         if self.moe_router_dtype is not None:
             check(
                 self.moe_router_dtype in MOE_ROUTER_DTYPES,

@@ -190,11 +190,15 @@ def _moe_fields(config: dict[str, Any], layers: int, source: str) -> dict[str, A
     step = positive("decoder_sparse_step", 1)
     dense = config.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
-        raise ArchError(f"{source}: field 'mlp_only_layers'={dense!r}; expected a list of layer indices 0..{layers - 1}")
+        raise ArchError(
+            f"{source}: field 'mlp_only_layers'={dense!r}; expected a list of layer indices 0..{layers - 1}"
+        )
     # transformers' rule (Qwen3MoeDecoderLayer): experts where (i + 1) % decoder_sparse_step == 0, unless listed
     moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     if not moe_layers:
-        raise ArchError(f"{source}: fields 'decoder_sparse_step'={step} and 'mlp_only_layers'={dense} leave no MoE layer")
+        raise ArchError(
+            f"{source}: fields 'decoder_sparse_step'={step} and 'mlp_only_layers'={dense} leave no MoE layer"
+        )
     return dict(
         num_experts=experts,
         num_experts_per_tok=topk,

@@ -174,6 +174,7 @@ def layer_spec(arch: ModelArch, layout: Layout, tf_config, varlen_attention: boo
         block.layer_norm = LayerNormImpl
     return block
 
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm in the local spec's place under sequence parallel (Megatron's own wrapper refuses it): each
     TP rank normalises its share of the positions, and its weight is marked so that finalize_model_grads sums the
