@@ -562,7 +562,9 @@ def continued_routes(policy, bridge, engine, samples) -> dict:
     from megatron_dapo.model.policy import TrainSample
     from megatron_dapo.rollout.engine import GroupRequest
 
-    groups = [GroupRequest(key=100 + i, prompt_ids=s.prompt_ids, n=2, seed=31 + i, version=0) for i, s in enumerate(samples)]
+    groups = [
+        GroupRequest(key=100 + i, prompt_ids=s.prompt_ids, n=2, seed=31 + i, version=0) for i, s in enumerate(samples)
+    ]
     engine.submit(groups, temperature=1.0, top_p=1.0, max_tokens=16)
     for _ in range(4):
         engine.step()  # every sample has some tokens, none has finished (16 to go)
