@@ -193,6 +193,12 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)
         result["replicas"], result["replicas_differ"] = tp_replicas_differ(policy, arch)
         result["logprobs"] = first
+        if arch.is_moe:  # the global indices of the first MoE layer's experts this rank holds
+            from megatron_dapo.model.provider import local_slots
+            from megatron_dapo.model.sharding import expert_of
+
+            held = {expert_of(s.full_name) for s in local_slots(policy.model, arch, layout.ep_rank)} - {None}
+            result["experts_held"] = sorted({e for layer, e, _ in held if layer == arch.moe_layers[0]})
         if r2:  # a second update replays the same recorded routes under the weights the first one moved
             result["metrics2"] = policy.train_step(samples, args.temperature)
     else:

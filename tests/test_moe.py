@@ -214,6 +214,7 @@ def test_expert_parallel_step_equals_one_process(model, batch, arch, ran, name):
     data-parallel group of 1 and the dense ones over 2, the distributed optimizer sharding each part over its own
     group) and plain DP 2: the step of one process, and the float64 one."""
     got = result(ran, name)
+    assert got["experts_held"] == ([0, 1, 2, 3] if name == "ep2" else list(range(8)))  # data-parallel rank 0's
     assert_same(result(ran, "ref"), got, name)
     assert_matches_float64(dapo_float64(model, batch), got, arch, name)
 
