@@ -87,6 +87,7 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
             logprob_case, "train.packed_sequences=false", "model.moe_token_dispatcher=allgather"
         ),
         "logprobs-no-norm": logprobs(no_norm),
+        "logprobs-fp64-router": logprobs(logprob_case, "model.moe_router_dtype=fp64"),
         "ref": train(1, budget(8)),
         "r3": train(1, budget(4), R3),  # two micro-batches, each with its own samples' routes
         "r3-recompute": train(1, budget(4), R3, "model.recompute=full"),
@@ -119,8 +120,9 @@ def own_routes(model, b: dict) -> torch.Tensor:
     "name, norm", [("logprobs", True), ("logprobs-padded-allgather", True), ("logprobs-no-norm", False)]
 )
 def test_logprobs_match_float64_transformers(ran, name, norm):
-    """Packed rows with the alltoall dispatcher, padded rows with allgather, and a router without renormalisation
-    (norm_topk_prob false: Megatron's pre-softmax routing): transformers' logprobs and entropies in float64."""
+    """Packed rows with the alltoall dispatcher, padded rows with allgather, a router without renormalisation
+    (norm_topk_prob false: Megatron's pre-softmax routing), and the router in float64 (model.moe_router_dtype):
+    transformers' logprobs and entropies in float64."""
     import copy
 
     hf = copy.deepcopy(moe_model(norm_topk_prob=norm)).double()
