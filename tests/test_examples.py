@@ -20,6 +20,7 @@ import yaml
 from convert_helpers import tool_module
 
 from megatron_dapo.config import Config, ConfigError, load_config
+from megatron_dapo.launch.slurm import sbatch_command
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import check_layout
 from megatron_dapo.model.tiny import TINY_QWEN2
@@ -37,6 +38,21 @@ _QWEN3 = {
     "tie_word_embeddings": False,
     "rope_theta": 1000000,
     "rms_norm_eps": 1e-06,
+}
+# Qwen3-MoE: every layer a MoE layer (decoder_sparse_step 1, no mlp_only_layers); intermediate_size is a dense layer's
+_QWEN3_MOE = {
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
 }
 ARCHS = {
     "Qwen/Qwen2.5-1.5B-Instruct": {
@@ -93,44 +109,21 @@ ARCHS = {
         "vocab_size": 151936,
         "max_position_embeddings": 40960,
     },
-    # every layer a MoE layer (decoder_sparse_step 1, no mlp_only_layers); intermediate_size is a dense layer's
     "Qwen/Qwen3-30B-A3B": {
-        **_QWEN3,
-        "architectures": ["Qwen3MoeForCausalLM"],
+        **_QWEN3_MOE,
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "moe_intermediate_size": 768,
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
     },
     "Qwen/Qwen3-235B-A22B": {
-        **_QWEN3,
-        "architectures": ["Qwen3MoeForCausalLM"],
+        **_QWEN3_MOE,
         "hidden_size": 4096,
         "intermediate_size": 12288,
         "moe_intermediate_size": 1536,
         "num_hidden_layers": 94,
         "num_attention_heads": 64,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
     },
 }
 MOE_EXAMPLES = {  # example -> (model, world size, experts' data parallel, experts per rank per MoE layer)
@@ -286,7 +279,10 @@ def test_moe_example_is_the_papers_run_on_an_expert_parallel_layout(name):
     assert (layout.edp, arch.num_experts // layout.ep) == (edp, experts_per_rank)
     assert cfg.model.router_replay == "r3" and cfg.model.recompute == "full" and cfg.parallel.sequence_parallel
     assert cfg.model.moe_aux_loss_coeff == 0.0  # as the peers' MoE RL recipes (config/policy.py)
-    assert world % 8 == 0 and f"--nodes {world // 8} " in path.read_text()  # the launch line in the header
+    # the header's launch line, rendered as `launch slurm --print-only` renders it
+    assert world % 8 == 0 and f"--nodes {world // 8} " in path.read_text()
+    variables, command = sbatch_command(f"examples/{name}", [], cfg, world // 8, 8, [], REPO)
+    assert variables["CONFIG"] == f"examples/{name}" and f"--nodes={world // 8}" in command
 
 
 def test_the_moe_shapes_of_the_flop_and_memory_models_are_the_published_configs():
