@@ -37,8 +37,9 @@ not been measured on a GPU.
 
 Routing replay (R3) carries each sample's routes on the host (route_bytes_per_token: moe layers x k small integers a
 position); the device holds each MoE layer's replayed top k as int64, the size of the indices a router that picks by
-itself saves, so replay adds nothing there, except under full recompute, where each layer's routes wait for its
-recomputed forward in backward (replay=True).
+itself saves, so replay adds nothing there, except where those indices are not otherwise kept (replay=True): under
+full recompute each layer's routes wait for its recomputed forward in backward, and a forward-only pass is fed every
+layer's routes of its stage at once.
 """
 
 from __future__ import annotations
