@@ -139,11 +139,18 @@ class CheckpointMismatch(CheckpointError):
     """A checkpoint this run cannot take whichever candidate is tried: refused at once, no fallback."""
 
 
-def layer_impl(layout) -> dict[str, str]:
+def layer_impl(layout) -> dict[str, Any]:
     """What a checkpoint records of how its layers were built: the layer spec (Transformer Engine's and the local
     one order their parameters and gradient buckets differently, so the optimizer state maps only onto the same
-    spec) and the core attention (no parameters of its own: a change is only worth a warning)."""
-    return {"transformer_impl": "transformer_engine" if layout.use_te else "local", "attention": layout.attention}
+    spec), the core attention (no parameters of its own: a change is only worth a warning) and the expert split
+    (ep, etp: the distributed optimizer shards the experts' state over their own data-parallel group, which another
+    split regroups)."""
+    return {
+        "transformer_impl": "transformer_engine" if layout.use_te else "local",
+        "attention": layout.attention,
+        "ep": layout.ep,
+        "etp": layout.etp,
+    }
 
 
 def check_layer_impl(saved: Optional[dict], layout, ckpt: Path) -> None:
@@ -158,6 +165,13 @@ def check_layer_impl(saved: Optional[dict], layout, ckpt: Path) -> None:
             f"{now['transformer_impl']!r} layers (their parameter order differs): resume with "
             f"model.transformer_impl={saved['transformer_impl']}, or convert it (tools/convert_megatron_to_hf.py)"
         )
+    for key in ("ep", "etp"):  # recorded since mixture-of-experts models: older checkpoints are dense (1)
+        if saved.get(key, 1) != now[key]:
+            raise CheckpointMismatch(
+                f"{ckpt} was saved with parallel.{key}={saved.get(key, 1)} and this run has parallel.{key}={now[key]} "
+                f"(the experts' optimizer state is sharded by that split): resume with parallel.{key}="
+                f"{saved.get(key, 1)}, or convert the weights (tools/convert_megatron_to_hf.py) and start from them"
+            )
     if saved["attention"] != now["attention"] and layout.rank == 0:
         log.warning(
             "%s was trained with attention %r, this run uses %r: the same parameters, slightly different rounding",

@@ -159,6 +159,10 @@ def progress_line(m: dict[str, Any]) -> str:
         rollout += f" | stale max {int(m['staleness/max'])} p99 {int(m['staleness/p99'])}"
     if "actor/kl" in m:  # KL to the reference policy (algorithm.kl_coef > 0)
         rollout += f" | ref kl {m['actor/kl']:.2e}"
+    if "moe/load_imbalance" in m:  # a mixture of experts: how busy the busiest expert is, and replay's agreement
+        rollout += f" | moe imbalance {m['moe/load_imbalance']:.2f}"
+        if "moe/router_agreement" in m:
+            rollout += f" agree {m['moe/router_agreement']:.3f} kl {m['rollout/kl']:.1e}"
     evaluation = ""
     if "eval/avg_at_k" in m:
         k = int(m["eval/k"])

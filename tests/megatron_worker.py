@@ -193,6 +193,12 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         result["weights"] = tp_gathered_tensors(policy.model, arch, layout)
         result["replicas"], result["replicas_differ"] = tp_replicas_differ(policy, arch)
         result["logprobs"] = first
+        if arch.is_moe:  # the global indices of the first MoE layer's experts this rank holds
+            from megatron_dapo.model.provider import local_slots
+            from megatron_dapo.model.sharding import expert_of
+
+            held = {expert_of(s.full_name) for s in local_slots(policy.model, arch, layout.ep_rank)} - {None}
+            result["experts_held"] = sorted({e for layer, e, _ in held if layer == arch.moe_layers[0]})
         if r2:  # a second update replays the same recorded routes under the weights the first one moved
             result["metrics2"] = policy.train_step(samples, args.temperature)
     else:
@@ -550,7 +556,47 @@ def routes_check(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
             "own_logp": [x["logp"] for x in own],
             "replayed_logp": [x["logp"] for x in replayed],
         }
+        if dtype == "float32":
+            out["continued"] = continued_routes(policy, bridge, engine, samples)
     return out
+
+
+def continued_routes(policy, bridge, engine, samples) -> dict:
+    """Partial rollout's routes: groups paused after a few engine steps, the policy's weights moved by a train step
+    and synced, the groups continued. Returns each continued sample's routes before the pause and once finished,
+    and the routes the policy's own routers pick for the finished sample under the new weights."""
+    from megatron_dapo.model.policy import TrainSample
+    from megatron_dapo.rollout.engine import GroupRequest
+
+    groups = [
+        GroupRequest(key=100 + i, prompt_ids=s.prompt_ids, n=2, seed=31 + i, version=0) for i, s in enumerate(samples)
+    ]
+    engine.submit(groups, temperature=1.0, top_p=1.0, max_tokens=16)
+    for _ in range(4):
+        engine.step()  # every sample has some tokens, none has finished (16 to go)
+    paused = engine.abort([g.key for g in groups])
+    moved = [TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids or [1], advantage=1.0) for s in samples]
+    old = policy.compute_logprobs(moved, 1.0)
+    for s, lp in zip(moved, old):
+        s.old_logp = lp["logp"]
+    for _ in range(3):  # a large lr (the worker's 1e-3, fresh Adam): the routers move
+        policy.train_step(moved, 1.0)
+    bridge.sync(engine)
+    engine.submit([GroupRequest(g.key, g.prompt_ids, g.n, g.seed, 1, prefixes=paused[g.key]) for g in groups], 1.0,
+                  1.0, 16)  # fmt: skip
+    done: dict = {}
+    while engine.in_flight():
+        done.update(engine.step())
+    finished = [(g.prompt_ids, p, r) for g in groups for p, r in zip(paused[g.key], done[g.key])]
+    scored = [TrainSample(prompt_ids=prompt, response_ids=r.token_ids) for prompt, _, r in finished]
+    policy.compute_logprobs(scored, 1.0, record_routes=True)
+    return {
+        "prompt_tokens": [len(prompt) for prompt, _, _ in finished],
+        "prefix_tokens": [len(p.token_ids) for _, p, _ in finished],
+        "paused_routes": [p.routes for _, p, _ in finished],
+        "finished_routes": [r.routes for _, _, r in finished],
+        "policy_routes": [s.routes for s in scored],
+    }
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ process); their refusals, which come before any model is built, run the tools' m
 Qwen2 with untied embeddings and QKV bias in one safetensors file at TP=2 (the bias and the vocabulary
 sharded), vocabulary 300 so that its padding differs between TP=1 (384) and TP=2 (512) and the TP=2 ->
 TP=1 load must reshard the vocabulary too; Llama with tied embeddings in sharded safetensors at TP=1; Qwen3 (per-head
-q/k norms, head_dim not hidden/heads, no QKV bias) at TP=2 and at PP=2, its norms replicated or split by layer. A
+q/k norms, head_dim not hidden/heads, no QKV bias) at TP=2 and at PP=2, its norms replicated or split by layer; a
+Qwen3-MoE (a router and 8 experts a layer, saved one expert at a time in sharded safetensors) at TP=2. A
 training checkpoint is written by the trainer's own CheckpointManager after one train step at TP=2 (in a
 torchrun worker).
 """
@@ -29,8 +30,9 @@ FAMILIES = {
     "qwen2": dict(seed=0, vocab_size=300, tied=False, shard=None),
     "llama": dict(seed=1, vocab_size=250, tied=True, shard="100KB"),
     "qwen3": dict(seed=2, vocab_size=300, tied=False, shard=None),
+    "qwen3_moe": dict(seed=3, vocab_size=300, tied=False, shard="100KB"),  # experts one by one, over shards
 }
-CASES = [("qwen2", 2, 1), ("llama", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2)]  # (family, tp, pp)
+CASES = [("qwen2", 2, 1), ("llama", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3_moe", 2, 1)]  # (family, tp, pp)
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 64}'}
 
 
@@ -124,7 +126,8 @@ def test_transformers_loads_the_result(case, hf_models, hf_back):
     from transformers import AutoModelForCausalLM
 
     _, model = hf_models[case[0]]
-    loaded = AutoModelForCausalLM.from_pretrained(hf_back[case], dtype=torch.float32).eval()
+    moe = {"experts_implementation": "eager"} if case[0] == "qwen3_moe" else {}  # the reference's loop over experts
+    loaded = AutoModelForCausalLM.from_pretrained(hf_back[case], dtype=torch.float32, **moe).eval()
     assert loaded.config.tie_word_embeddings == FAMILIES[case[0]]["tied"]
     tokens = torch.randint(0, FAMILIES[case[0]]["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

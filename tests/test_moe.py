@@ -214,6 +214,7 @@ def test_expert_parallel_step_equals_one_process(model, batch, arch, ran, name):
     data-parallel group of 1 and the dense ones over 2, the distributed optimizer sharding each part over its own
     group) and plain DP 2: the step of one process, and the float64 one."""
     got = result(ran, name)
+    assert got["experts_held"] == ([0, 1, 2, 3] if name == "ep2" else list(range(8)))  # data-parallel rank 0's
     assert_same(result(ran, "ref"), got, name)
     assert_matches_float64(dapo_float64(model, batch), got, arch, name)
 
@@ -349,3 +350,23 @@ def test_conversion_round_trips_bit_exact(tmp_path, model, arch):
     e5 = fused["decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"]
     assert torch.equal(e5, torch.cat([saved["model.layers.2.mlp.experts.5.gate_proj.weight"],
                                       saved["model.layers.2.mlp.experts.5.up_proj.weight"]]))  # fmt: skip
+
+
+def test_returned_routes_keep_each_finished_requests_moe_layers():
+    """The GPU's routes source (vLLM's routed_experts output, every hidden layer): each finished request's MoE
+    layers' columns, in the route dtype; an aborted request (vLLM returns none) has no positions; a finished one
+    without routed_experts is a clear error."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megatron_dapo.rollout.vllm_routes import ReturnedRoutes
+
+    routes = ReturnedRoutes((0, 2, 3), num_experts=8, topk=2)
+    full = np.arange(5 * 4 * 2).reshape(5, 4, 2) % 8  # 5 positions, 4 hidden layers (layer 1 dense), top 2
+    routes.finished("a-1", SimpleNamespace(routed_experts=full))
+    got = routes.take("a-1")
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), torch.as_tensor(full)[:, [0, 2, 3]])
+    assert routes.take("never-finished").shape == (0, 3, 2) and routes.pending() == 0
+    with pytest.raises(RuntimeError, match="no routed_experts"):
+        routes.finished("b-2", SimpleNamespace(routed_experts=None))

@@ -135,3 +135,21 @@ def test_r3_lowers_the_rollout_kl_of_a_bf16_engine(ran):
         sums = sum(rollout_mismatch_sums(t, e.float()) for t, e in zip(got[f"{name}_logp"], got["engine_logp"]))
         kl[name] = mismatch_metrics(sums)["rollout/kl"]
     assert kl["replayed"] < kl["own"], kl
+
+
+@pytest.mark.slow
+def test_a_continued_sample_carries_the_routes_of_its_re_prefill(ran):
+    """Partial rollout: a sample paused after some tokens is continued, after a weight sync, by a new request over
+    prompt + its tokens so far. Those positions were computed twice (decoded under the old weights, prefilled again
+    under the new): the routes it carries are the re-prefill's, since the trainer scores it under the new weights
+    (old_logp is recomputed by the policy that trains), so they are the trainer's own picks under the new weights
+    at every position, while the routes of the paused decode differ at some (the update moved the routers)."""
+    got = result(ran, "moe-routes")["continued"]
+    assert min(got["prefix_tokens"]) > 0
+    changed = 0
+    for p, n, paused, finished, policy in zip(got["prompt_tokens"], got["prefix_tokens"], got["paused_routes"],
+                                              got["finished_routes"], got["policy_routes"]):  # fmt: skip
+        assert finished.shape == policy.shape and _same_routes(finished, policy).all()
+        assert paused.shape[0] == p + n - 1  # what the decode had computed: all but its last token
+        changed += int((~_same_routes(paused, finished[: p + n - 1])).sum())
+    assert changed > 0

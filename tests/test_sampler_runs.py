@@ -37,10 +37,11 @@ def _ends_early(model_dir: Path) -> Path:
     return model_dir
 
 
-def _informative_at_random(root: Path, tiny_qwen2) -> list[str]:
-    """Overrides for a run on the tiny model (ends early, see _ends_early) whose groups are informative at random:
-    a verifier right for a quarter of all texts, groups of 4, batches of 4, decisions every 2 engine steps."""
-    model = _ends_early(tiny_qwen2(copy_to=root / "model"))
+def _informative_at_random(root: Path, tiny_model) -> list[str]:
+    """Overrides for a run on a tiny model (tiny_model: the tiny_qwen2 fixture or another of its kind; ends early,
+    see _ends_early) whose groups are informative at random: a verifier right for a quarter of all texts, groups of
+    4, batches of 4, decisions every 2 engine steps."""
+    model = _ends_early(tiny_model(copy_to=root / "model"))
     data = write_jsonl(root / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))
     return [
         f"model.hf_path={model}",
@@ -250,12 +251,16 @@ def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigt
 
 
 @pytest.mark.slow
-def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen2):
-    """`launch local --nproc-per-node 2` (torchrun), DP=2: each rank's engine streams its groups, pauses them at the
-    sync and continues them; the schedulers' fingerprints are compared after every step (a disagreement raises), and
-    responses a rank did not generate reach it as tensors."""
+def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_qwen3_moe):
+    """`launch local --nproc-per-node 2` (torchrun), DP=2, a Qwen3-MoE policy whose experts are split over the two
+    ranks (EP 2) with Rollout Routing Replay: each rank's engine streams its groups, pauses them at the sync and
+    continues them; the schedulers' fingerprints are compared after every step (a disagreement raises), and
+    responses a rank did not generate reach it as tensors, their routes with them; the trainer replays the engines'
+    routes, which are its own at fp32 until an update moves them."""
     overrides = [
-        *_informative_at_random(tmp_path, tiny_qwen2),
+        *_informative_at_random(tmp_path, tiny_qwen3_moe),
+        "parallel.ep=2",
+        "model.router_replay=r3",
         "sampler.partial_rollout=true",
         "algorithm.tis_cap=2.0",
         "algorithm.kl_coef=0.1",
@@ -284,6 +289,11 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
     for m in lines:  # the phases are timed apart and within the step
         phases = [m[f"timing/{p}"] for p in ("generate", "old_logp", "train", "sync")]
         assert all(t > 0 for t in phases) and sum(phases) <= m["timing/step"]
+        assert 0.95 < m["moe/router_agreement"] <= 1.0 and m["moe/load_imbalance"] >= 1.0, m
+    # step 1 samples with the weights it trains from: the engines' routes are the trainer's own, the rollout KL
+    # float32 noise (step 2 holds continued samples, partly sampled by the weights before the sync); each update
+    # then moves the routers a little under the replayed routes (the metric is the updates' mean)
+    assert lines[0]["rollout/kl"] < 1e-6 and "moe/load_imbalance/layer2" in lines[0]
 
 
 def _running(pid: int) -> bool:

@@ -85,7 +85,7 @@ def test_minibatch_ids_split_each_minibatch_evenly_over_data_parallel_ranks():
     assert got == sorted(flat)
 
 
-def test_the_progress_line_shows_staleness_only_when_stale_tokens_were_trained():
+def test_the_progress_line_shows_staleness_and_moe_routing_only_when_they_apply():
     from megatron_dapo.train import progress_line
 
     m = {"step": 3.0, "reward/mean": -0.5, "reward/acc": 0.25, "sampler/informative_frac": 0.5}
@@ -94,6 +94,10 @@ def test_the_progress_line_shows_staleness_only_when_stale_tokens_were_trained()
     m |= {f"timing/{k}": 0.5 for k in ("generate", "old_logp", "train", "sync")}
     assert "stale" not in progress_line(m | {"staleness/max": 0.0, "staleness/p99": 0.0})
     assert " | stale max 4 p99 2 | " in progress_line(m | {"staleness/max": 4.0, "staleness/p99": 2.0})
+    assert "moe" not in progress_line(m)  # a dense model
+    moe = m | {"moe/load_imbalance": 1.53, "rollout/kl": 2.1e-4}
+    assert " | moe imbalance 1.53 | " in progress_line(moe)
+    assert " | moe imbalance 1.53 agree 0.997 kl 2.1e-04 | " in progress_line(moe | {"moe/router_agreement": 0.9971})
 
 
 def test_eval_and_save_cadence():

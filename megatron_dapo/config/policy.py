@@ -168,7 +168,9 @@ class ParallelConfig:
     """Expert tensor-parallel size: each expert's weights split over this many ranks. 1 (each expert whole) as the
     Qwen3-MoE recipes of verl, slime and NeMo-RL run; at most tp."""
     sequence_parallel: bool = True
-    """Sequence parallel with tp > 1 (needs Transformer Engine; ignored on the local spec)."""
+    """Sequence parallel with tp > 1: each TP rank holds a share of the positions between the tensor-parallel layers
+    (Transformer Engine's norms, or on the local spec model/provider.py's SequenceParallelRMSNorm). A MoE model with
+    tp > 1 needs it (Megatron's MoE layer refuses to train without)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
 

@@ -31,7 +31,6 @@ _LAYER_ONE_TO_ONE = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
 _QK_NORMS = {
@@ -205,16 +204,14 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
     i, suffix = parsed
     suffix = local_suffix(suffix)
     hp = f"model.layers.{i}."
+    mlp = hp + "mlp."
     expert = expert_of(name)
-    if expert is not None:  # the checkpoint's per-expert names (what vLLM and transformers load)
-        if expert[2] == "linear_fc1.weight":
-            gate, up = torch.chunk(tensor, 2, dim=0)
-            yield hp + f"mlp.experts.{expert[1]}.gate_proj.weight", gate
-            yield hp + f"mlp.experts.{expert[1]}.up_proj.weight", up
-        else:
-            yield hp + f"mlp.experts.{expert[1]}.down_proj.weight", tensor
-    elif suffix == "mlp.router.weight":
+    if expert is not None:  # an expert's MLP under the checkpoint's per-expert names (what vLLM and transformers load)
+        mlp, suffix = hp + f"mlp.experts.{expert[1]}.", "mlp." + expert[2]
+    if suffix == "mlp.router.weight":
         yield hp + "mlp.gate.weight", tensor
+    elif suffix == "mlp.linear_fc2.weight":
+        yield mlp + "down_proj.weight", tensor
     elif suffix in _LAYER_ONE_TO_ONE:
         yield hp + _LAYER_ONE_TO_ONE[suffix], tensor
     elif suffix in _QK_NORMS and arch.qk_layernorm:
@@ -227,7 +224,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, arch: ModelArch) -> Iterator
         yield hp + f"self_attn.v_proj.{kind}", v
     elif suffix == "mlp.linear_fc1.weight":
         gate, up = torch.chunk(tensor, 2, dim=0)
-        yield hp + "mlp.gate_proj.weight", gate
-        yield hp + "mlp.up_proj.weight", up
+        yield mlp + "gate_proj.weight", gate
+        yield mlp + "up_proj.weight", up
     else:
         raise KeyError(f"no Hugging Face name for Megatron tensor '{name}'")

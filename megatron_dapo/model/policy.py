@@ -124,11 +124,18 @@ class MegatronPolicy:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
         another: the preflight, benchmarks, tests). Megatron's TransformerConfig, held by every layer, keeps this
         policy's callbacks, and the cycle through the DDP wrapper's gradient hooks is never collected: without
-        this a second 0.5B policy on an 80 GiB GPU ran out of memory. The policy is unusable afterwards."""
+        this a second 0.5B policy on an 80 GiB GPU ran out of memory. Megatron's MoE token dispatchers keep their
+        last forward's routing probabilities, whose autograd graph reaches the same hooks: dropped too. The policy
+        is unusable afterwards."""
         for chunk in self.model:
             config = provider.unwrap(chunk).config
             config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
-        self.model, self.optimizer, self.scheduler = [], None, None
+            for module in chunk.modules():
+                dispatcher = getattr(module, "token_dispatcher", None)
+                for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(dispatcher, name, None)
+        self.model, self.optimizer, self.scheduler, self.routing = [], None, None, None
 
     # ---------------------------------------------------------------- helpers
 

