@@ -1,7 +1,8 @@
 """The example configs and the generated config reference.
 
 Each example loads and validates, its parallel layout fits the model it names and the world size it
-documents, and the 32B examples (Qwen2.5 and Qwen3) are the paper's run field by field. docs/config.md's config reference is what
+documents, and the 32B examples (Qwen2.5 and Qwen3) and the mixture-of-experts ones (Qwen3-30B-A3B, Qwen3-235B-A22B)
+are the paper's run field by field. docs/config.md's config reference is what
 tools/config_reference.py generates, and lists every field.
 """
 
@@ -19,6 +20,7 @@ import yaml
 from convert_helpers import tool_module
 
 from megatron_dapo.config import Config, ConfigError, load_config
+from megatron_dapo.launch.slurm import sbatch_command
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.parallel import check_layout
 from megatron_dapo.model.tiny import TINY_QWEN2
@@ -36,6 +38,21 @@ _QWEN3 = {
     "tie_word_embeddings": False,
     "rope_theta": 1000000,
     "rms_norm_eps": 1e-06,
+}
+# Qwen3-MoE: every layer a MoE layer (decoder_sparse_step 1, no mlp_only_layers); intermediate_size is a dense layer's
+_QWEN3_MOE = {
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
 }
 ARCHS = {
     "Qwen/Qwen2.5-1.5B-Instruct": {
@@ -92,6 +109,26 @@ ARCHS = {
         "vocab_size": 151936,
         "max_position_embeddings": 40960,
     },
+    "Qwen/Qwen3-30B-A3B": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+    },
+    "Qwen/Qwen3-235B-A22B": {
+        **_QWEN3_MOE,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+    },
+}
+MOE_EXAMPLES = {  # example -> (model, world size, experts' data parallel, experts per rank per MoE layer)
+    "dapo_math_qwen3_30b_a3b.yaml": ("Qwen/Qwen3-30B-A3B", 32, 2, 16),
+    "dapo_math_qwen3_235b_a22b.yaml": ("Qwen/Qwen3-235B-A22B", 256, 2, 2),
 }
 
 # Yu et al. 2025 (arXiv 2503.14476) section 4.1, and the released verl recipe where the paper is silent.
@@ -160,6 +197,8 @@ def test_the_examples_are_these():
             "dapo_math_qwen2.5_32b.yaml",
             "dapo_math_qwen3_8b.yaml",
             "dapo_math_qwen3_32b.yaml",
+            "dapo_math_qwen3_30b_a3b.yaml",
+            "dapo_math_qwen3_235b_a22b.yaml",
             "seed_notes_qwen2.5_7b.yaml",
             "grpo_kl_ablation.yaml",
             "gspo_math_qwen3_8b.yaml",
@@ -200,8 +239,11 @@ def test_example_fits_its_model_and_world_size(path):
     # the trainer's own start-up check: whole engines in the world, equal DP shares of a mini-batch
     engine_tp = cfg.rollout.tp or cfg.parallel.tp
     check_distributed(cfg, world_size, layout.dp, engine_tp)
-    # vLLM splits whole attention and KV heads over an engine's ranks
-    assert arch.num_attention_heads % engine_tp == 0 and arch.num_key_value_heads % engine_tp == 0
+    # vLLM splits whole attention heads over an engine's ranks, and whole KV heads, each on tp / kv ranks when the
+    # engine has more ranks than KV heads (vllm/model_executor/models/qwen3_moe.py, layers/linear.py's replicas)
+    kv = arch.num_key_value_heads
+    assert arch.num_attention_heads % engine_tp == 0
+    assert kv % engine_tp == 0 if kv >= engine_tp else engine_tp % kv == 0
     longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     assert longest <= arch.max_position_embeddings
     assert longest <= cfg.train.max_tokens_per_microbatch  # the memory plan covers the longest sequence
@@ -217,6 +259,40 @@ def test_32b_example_is_the_papers_run(name, model):
     arch = ModelArch.from_hf_config(ARCHS[model])
     assert header(path)["world_size"] == "128"  # 16 nodes x 8 GPUs
     assert check_layout(arch, cfg.parallel, cfg.model, 128).dp == 8
+
+
+PAPER_ALGORITHM = {k: v for k, v in PAPER_32B.items() if k.split(".")[0] not in ("parallel", "rollout", "model")}
+"""The paper's algorithm and data values, without the 32B layout (rollout's sampling values are the paper's too)."""
+
+
+@pytest.mark.parametrize("name", sorted(MOE_EXAMPLES))
+def test_moe_example_is_the_papers_run_on_an_expert_parallel_layout(name):
+    path = REPO / "examples" / name
+    cfg, h = load_config(path), header(path)
+    model, world, edp, experts_per_rank = MOE_EXAMPLES[name]
+    assert {key: get(cfg, key) for key in PAPER_ALGORITHM} == PAPER_ALGORITHM
+    sampling = {k: get(cfg, k) for k in ("rollout.max_response_length", "rollout.temperature", "rollout.top_p")}
+    assert sampling == {k: PAPER_32B[k] for k in sampling}
+    assert (h["model"], int(h["world_size"])) == (model, world)
+    arch = ModelArch.from_hf_config(ARCHS[model], model)
+    layout = check_layout(arch, cfg.parallel, cfg.model, world)
+    assert (layout.edp, arch.num_experts // layout.ep) == (edp, experts_per_rank)
+    assert cfg.model.router_replay == "r3" and cfg.model.recompute == "full" and cfg.parallel.sequence_parallel
+    assert cfg.model.moe_aux_loss_coeff == 0.0  # as the peers' MoE RL recipes (config/policy.py)
+    # the header's launch line, rendered as `launch slurm --print-only` renders it
+    assert world % 8 == 0 and f"--nodes {world // 8} " in path.read_text()
+    variables, command = sbatch_command(f"examples/{name}", [], cfg, world // 8, 8, [], REPO)
+    assert variables["CONFIG"] == f"examples/{name}" and f"--nodes={world // 8}" in command
+
+
+def test_the_moe_shapes_of_the_flop_and_memory_models_are_the_published_configs():
+    """model/perf.py's SHAPES (what tools/estimate_step_time.py --shape and model/memory.py read) against the
+    config.json fields above."""
+    from megatron_dapo.model.perf import shape_arch
+
+    for shape, model in (("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"), ("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B")):
+        published = ModelArch.from_hf_config(ARCHS[model], model)
+        assert shape_arch(shape, 40960) == published
 
 
 def _keys(node: dict, prefix: str = "") -> list[str]:

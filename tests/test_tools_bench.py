@@ -92,6 +92,48 @@ def test_cli_for_the_32b_layout_by_hand():
     assert r["generate_s"] == pytest.approx(1536 * 16 * 3000 / (128 * 2000) / 3)
 
 
+# Published on the models' Hugging Face cards (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, "Model Overview"):
+# (total, activated, total without the embeddings) in billions, rounded there to the digits given.
+PUBLISHED = {"qwen3-30b-a3b": (30.5, 3.3, 29.9), "qwen3-235b-a22b": (235.0, 22.0, 234.0)}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED))
+def test_moe_parameter_counts_are_the_published_ones(shape):
+    from megatron_dapo.model.perf import active_param_count, param_count, shape_arch
+
+    arch = shape_arch(shape)
+    total, active, body = PUBLISHED[shape]
+    embeddings = 2 * arch.vocab_size * arch.hidden_size  # untied: the embedding and the output layer
+    assert param_count(arch) / 1e9 == pytest.approx(total, rel=0.005)
+    assert (param_count(arch) - embeddings) / 1e9 == pytest.approx(body, rel=0.005)
+    assert active_param_count(arch) / 1e9 == pytest.approx(active, rel=0.02)  # "3.3B": 3.35 counted
+    # every expert counted as active would be the total: the FLOPs per token must not see them
+    assert active_param_count(arch) < 0.15 * param_count(arch)
+
+
+def test_cli_for_a_mixture_of_experts_counts_active_flops_and_syncs_every_weight():
+    """Qwen3-30B-A3B on the MoE example's 4 nodes (tp 2, pp 2, vLLM tp 4): the train phases' FLOPs are those of
+    the 8 experts a token goes to and the router; the weight sync moves all 128 experts."""
+    (r,) = est.main(
+        [
+            *("--shape", "qwen3-30b-a3b", "--decode-tokens-per-gpu-s", "2000", "--mfu", "0.5"),
+            *("--peak-tflops", "1000", "--sync-gb-per-s", "10", "--nodes", "4", "--tp", "2", "--pp", "2"),
+            *("--vllm-tp", "4"),
+        ]
+    )
+    h, q, kv, layers, vocab = 2048, 32 * 128, 4 * 128, 48, 151936
+    attention = h * (q + 2 * kv) + q * h  # qkv and the output projection
+    expert = 3 * h * 768  # gate, up, down of one expert
+    n_mm = layers * (attention + 128 * h + 8 * expert) + vocab * h  # + the router + 8 experts; + the output layer
+    f = 6 * n_mm + 6 * layers * (200 + 3000) * q
+    tokens = 512 * 16 * 3200
+    m = math.ceil(512 / 8 * 3200 / 16384)  # dp = 32 / (2 x 2) = 8
+    assert r["train_s"] == pytest.approx(tokens * f / (32 * 0.5 * 1000e12) * (m + 1) / m)
+    norms = 2 * h + 2 * 128  # the layer norms and Qwen3's q/k norms
+    params = layers * (attention + norms + 128 * h + 128 * expert) + 2 * vocab * h + h
+    assert r["sync_s"] == pytest.approx(2 * params / 10e9)
+
+
 def test_from_json_equals_the_same_rates_given_as_flags(tmp_path):
     bench = {
         "rollout_tokens_per_s_per_device": 1500.0,

@@ -9,7 +9,9 @@ random-weight model of a given shape and parallel layout, and prints a table on 
 
 MFU = achieved model FLOP/s per device / peak FLOP/s per device. Model FLOPs per trained
 token = 6 x (matmul parameters) + 6 x layers x seq x q_heads x head_dim (causal attention:
-half of the 12 L s d of full attention), the usual accounting (Megatron-LM, PaLM). The peak
+half of the 12 L s d of full attention), the usual accounting (Megatron-LM, PaLM); for a
+mixture of experts (--shape qwen3-30b-a3b ...) the matmul parameters a token passes through,
+its top-k experts and the router (model/perf.py active_param_count). The peak
 is --peak-tflops if given, else measured here with a large matmul in the run's dtype, so
 on CPU the figure is relative to this machine's own matmul speed. The old-logprob forward
 does a third of the train step's FLOPs (2 per parameter per token); its MFU is reported too.
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import (
     SHAPES,
+    active_param_count,
     measure_peak_tflops,
     param_count,
     random_samples,
@@ -67,7 +70,10 @@ def main() -> None:
     result = {
         "shape": args.shape,
         "params_b": round(param_count(arch) / 1e9, 3),
-        "layout": f"tp{layout.tp} pp{layout.pp} dp{layout.dp}" + (f" vpp{layout.vpp}" if layout.vpp else ""),
+        "active_params_b": round(active_param_count(arch) / 1e9, 3),
+        "layout": f"tp{layout.tp} pp{layout.pp} dp{layout.dp}"
+        + (f" vpp{layout.vpp}" if layout.vpp else "")
+        + (f" ep{layout.ep} etp{layout.etp}" if arch.is_moe else ""),
         "dtype": cfg.model.dtype,
         "seq": args.seq,
         "batch": args.batch,

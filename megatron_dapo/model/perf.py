@@ -2,9 +2,11 @@
 
 The accounting tools/bench_train.py, tools/bench_throughput.py, tools/estimate_step_time.py and tools/preflight.py
 share. Model FLOPs per trained token = 6 x (matmul parameters) + 6 x layers x seq x q_heads x head_dim (causal
-attention: half of the 12 L s d of full attention), the usual accounting (Megatron-LM, PaLM). MFU = achieved
-model FLOP/s per device / peak FLOP/s per device; the old-logprob forward does a third of the train step's FLOPs
-(2 per parameter per token).
+attention: half of the 12 L s d of full attention), the usual accounting (Megatron-LM, PaLM). For a mixture of
+experts the matmul parameters are the *active* ones: a token goes through its top-k experts' SwiGLU and the router,
+not through every expert (active_param_count; param_count is the total every rank's weights and the weight sync
+carry). MFU = achieved model FLOP/s per device / peak FLOP/s per device; the old-logprob forward does a third of the
+train step's FLOPs (2 per parameter per token).
 
 Torch is imported inside the functions that time something, so a tool that only counts answers --help fast.
 """
@@ -18,13 +20,46 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-SHAPES = {
-    # name: (hidden, ffn, layers, heads, kv_heads, vocab)
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+}
+SHAPES: dict[str, tuple | dict] = {
+    # name: (hidden, ffn, layers, heads, kv_heads, vocab): a Qwen2 (QKV bias, head_dim = hidden / heads, untied)
     "tiny": (256, 704, 4, 4, 2, 4096),
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
     "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064),
+    # name: the shape fields of the model's config.json (Hugging Face Hub): Qwen3-MoE, every layer's MLP 128 experts
+    # (intermediate_size, the width of a dense layer's MLP, is unused: mlp_only_layers is empty)
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "moe_intermediate_size": 768,
+    },
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "moe_intermediate_size": 1536,
+    },
 }
 
 
@@ -38,24 +73,43 @@ def spec_tflops(device_name: str) -> float | None:
     return next((v for k, v in SPEC_BF16_TFLOPS.items() if k in device_name), None)
 
 
+def _mlp_params(arch, experts: int) -> int:
+    """The MLP weights of all layers through which a token passes `experts` experts in each MoE layer: the dense
+    layers' SwiGLU (gate, up, down), and per MoE layer the router [num_experts, hidden] and `experts` SwiGLU experts of
+    moe_intermediate_size."""
+    h = arch.hidden_size
+    moe = len(arch.moe_layers) if arch.is_moe else 0
+    dense = (arch.num_layers - moe) * 3 * h * arch.intermediate_size
+    return dense + moe * (arch.num_experts * h + experts * 3 * h * arch.moe_intermediate_size)
+
+
 def model_flops_per_token(arch, seq: int) -> float:
-    """Training FLOPs per token at sequence length seq: 6 N_mm + 6 layers seq q_dim (forward + backward)."""
+    """Training FLOPs per token at sequence length seq: 6 N_mm + 6 layers seq q_dim (forward + backward). N_mm: the
+    matmul parameters a token passes through (a mixture of experts: its top-k experts and the router, not every
+    expert)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size
-    matmul_params = arch.num_layers * per_layer + arch.vocab_size * h  # + the output layer
-    return 6.0 * matmul_params + 6.0 * arch.num_layers * seq * q
+    attention = h * (q + 2 * kv) + q * h
+    matmul_params = arch.num_layers * attention + _mlp_params(arch, arch.num_experts_per_tok) + arch.vocab_size * h
+    return 6.0 * matmul_params + 6.0 * arch.num_layers * seq * q  # the output layer is among the matmuls
 
 
-def param_count(arch) -> int:
-    """Parameters of the model: matmuls, QKV biases, norms (Qwen3's q/k norms too) and embeddings (the output layer
-    unless tied)."""
+def param_count(arch, experts: int | None = None) -> int:
+    """Parameters of the model: matmuls, QKV biases, norms (Qwen3's q/k norms too), the routers, every expert (or
+    `experts` of each MoE layer) and embeddings (the output layer unless tied)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
     norms = 2 * h + 2 * d * arch.qk_layernorm
-    layer = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h + 3 * h * arch.intermediate_size + norms
+    layer = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h + norms
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * layer + embeddings + h
+    mlp = _mlp_params(arch, arch.num_experts if experts is None else experts)
+    return arch.num_layers * layer + mlp + embeddings + h
+
+
+def active_param_count(arch) -> int:
+    """Parameters a token passes through: param_count with each MoE layer's top-k experts only (the published
+    "activated" count; the routers, embeddings and output layer included). A dense model's are all of them."""
+    return param_count(arch, experts=arch.num_experts_per_tok)
 
 
 def measure_peak_tflops(dtype: torch.dtype, device: torch.device) -> float:
@@ -106,23 +160,29 @@ def copy_bandwidth_gbs(nbytes: int = 2**30, iters: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def shape_arch(shape: str, seq: int):
-    """The ModelArch of a named shape in SHAPES (a Qwen2), with positions for seq tokens."""
+def shape_config(shape: str) -> dict:
+    """The config.json fields of a named shape in SHAPES: a tuple is a Qwen2's, a dict is the fields themselves."""
+    spec = SHAPES[shape]
+    if isinstance(spec, dict):
+        return dict(spec)
+    h, ffn, layers, heads, kv, vocab = spec
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+    }
+
+
+def shape_arch(shape: str, seq: int = 4096):
+    """The ModelArch of a named shape in SHAPES, with positions for seq tokens (at least 4096)."""
     from megatron_dapo.model.arch import ModelArch
 
-    h, ffn, layers, heads, kv, vocab = SHAPES[shape]
     return ModelArch.from_hf_config(
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": vocab,
-            "hidden_size": h,
-            "intermediate_size": ffn,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv,
-            "max_position_embeddings": max(seq, 4096),
-        },
-        source=f"--shape {shape}",
+        {**shape_config(shape), "max_position_embeddings": max(seq, 4096)}, source=f"--shape {shape}"
     )
 
 

@@ -28,6 +28,10 @@ Checks, in order (CUDA: needs a GPU; vLLM / TE: needs the package):
   bridge_fp8       vLLM: the same with rollout.quantization=fp8 (GPU: a block-FP8 engine, weights quantized at each
                    sync; CPU: FP8-rounded weights): the mismatch it adds, the quantization seconds, and generated
                    tokens/s against bridge's
+  moe              CUDA + vLLM: a small Qwen3-MoE (random weights, EP 1, TE's grouped GEMM where present) synced into a
+                   bf16 engine that returns its routes; samples streamed with their routes, the trainer's logprobs of
+                   them routing by itself and replaying the engine's routes (R3): routes flipped, router agreement,
+                   rollout/kl both ways; then one R3 train step (forward, backward, AdamW)
   sleep_wake       CUDA + vLLM: GPU memory freed by sleep() and given back by wake(); greedy generation unchanged
                    after wake and after a weight update made while asleep (the trainer's cycle)
   inflight_update  CUDA + vLLM: asynchronous DAPO's weight update between two engine steps with groups in flight
@@ -74,6 +78,7 @@ from megatron_dapo.preflight.engine_checks import (
     check_train_e2e,
 )
 from megatron_dapo.preflight.kernel_checks import check_kernel_equality, check_kernel_timing
+from megatron_dapo.preflight.moe_checks import check_moe
 from megatron_dapo.preflight.train_checks import check_determinism, check_profile, check_te, train_check
 
 MIN_CHECK_S = 30
@@ -139,6 +144,14 @@ CHECKS = [
         ("vllm",),
         "FP8 engine vs bf16 Megatron: 0.5 mean / 3.0 max (H200: 0.22-0.33 / 0.86-1.14); stale > 2x; tokens/s vs bridge's",
         420,
+    ),
+    Check(
+        "moe",
+        check_moe,
+        ("cuda", "vllm"),
+        "routes for every position; rollout/kl with R3 <= routing by itself (lower where routes flipped); "
+        "R3 train step applied, finite",
+        480,
     ),
     Check("sleep_wake", check_sleep_wake, ("cuda", "vllm"), "freed > 1 GiB, restored within 1 GiB, same tokens", 420),
     Check(

@@ -14,9 +14,11 @@ assumption too. Give several --response-len values to get one column each.
 
 Symbols and units: n GPUs; E = n / vllm_tp rollout engines; dp = n / (tp pp); T = B G (P + L) tokens
 through the policy per step (prompt + response); F = training model FLOPs per token at sequence P + L,
-as tools/bench_train.py counts them: 6 N_mm + 6 layers (P + L) q_dim, with N_mm the matmul parameters
-(about 6 N: the second term is causal attention); N the parameter count; A_train, A_fwd achieved model
-FLOP/s per GPU = MFU x peak, or measured tokens/s per GPU x FLOPs per token (F for train, F / 3 forward).
+as tools/bench_train.py counts them: 6 N_mm + 6 layers (P + L) q_dim, with N_mm the matmul parameters a token
+passes through (about 6 N_active: the second term is causal attention; a mixture of experts, --shape
+qwen3-30b-a3b or qwen3-235b-a22b, counts its top-k experts and the router, not every expert); N the parameter
+count, every expert included (the sync moves them all); A_train, A_fwd achieved model FLOP/s per GPU = MFU x
+peak, or measured tokens/s per GPU x FLOPs per token (F for train, F / 3 forward).
 
   generate  = rounds x max(gen_batch G L / (n r_gpu),  L_max / r_seq)
               rounds = --gen-rounds, else B / (f gen_batch) with f the informative fraction: surplus
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.cli import argument_parser
-from megatron_dapo.model.perf import SHAPES, model_flops_per_token, param_count, shape_arch
+from megatron_dapo.model.perf import SHAPES, active_param_count, model_flops_per_token, param_count, shape_arch
 
 # bench_throughput JSON key for each rate, and the flag that gives it instead
 JSON_RATES = {
@@ -71,8 +73,8 @@ class EstimateError(ValueError):
 class StepInputs:
     """One step's sizes, layout and per-GPU rates (see the module docstring for the symbols)."""
 
-    flops_per_token: float  # F: training model FLOPs per token at sequence prompt_len + response_len
-    params: float  # N
+    flops_per_token: float  # F: training model FLOPs per token at sequence prompt_len + response_len (active params)
+    params: float  # N, every parameter (a mixture of experts: every expert)
     decode_tokens_per_gpu_s: float  # r_gpu
     train_flops_per_gpu_s: float  # A_train, FLOP/s
     logprob_flops_per_gpu_s: float  # A_fwd, FLOP/s
@@ -328,8 +330,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     except EstimateError as e:
         ap.error(str(e))
     i = inputs[0]
+    arch = shape_arch(args.shape)
+    active = active_param_count(arch)
+    params = f"{i.params / 1e9:.1f} B params" + (f" ({active / 1e9:.1f} B active)" if active != i.params else "")
     title = (
-        f"{args.shape}: {i.params / 1e9:.1f} B params; {i.prompts} prompts x {i.group} responses; "
+        f"{args.shape}: {params}; {i.prompts} prompts x {i.group} responses; "
         f"{args.nodes} nodes x {args.gpus_per_node} GPUs, tp{i.tp} pp{i.pp} dp{i.gpus // (i.tp * i.pp)}, "
         f"vLLM tp{i.vllm_tp} ({i.gpus // i.vllm_tp} engines); prompt {i.prompt_len:g} tokens"
     )
