@@ -98,7 +98,16 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
         "ep2-distopt": train(2, budget(8), "parallel.ep=2"),
         "ep2-r3": train(2, budget(4), "parallel.ep=2", "parallel.use_distributed_optimizer=false", R3),
         "pp2-r3": train(2, budget(4), "parallel.pp=2", R3),
-        "tp2-ep2": train(4, budget(8), "parallel.tp=2", "parallel.ep=2", "parallel.use_distributed_optimizer=false"),
+        # with R2: the routes recorded under sequence parallel (each TP rank routes its share of the positions) are
+        # gathered, then sliced again for the replayed step
+        "tp2-ep2": train(
+            4,
+            budget(8),
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "parallel.use_distributed_optimizer=false",
+            "model.router_replay=r2",
+        ),  # fmt: skip
     }
 
 
@@ -243,9 +252,11 @@ def test_replay_under_expert_and_pipeline_parallel(ran, name):
 
 @pytest.mark.slow
 def test_tensor_times_expert_parallel_equals_one_process(model, batch, arch, ran):
-    """TP 2 x EP 2 on 4 processes (the dense layers split over TP, the experts whole on their EP rank, their
-    data-parallel group of 2): the one-process step."""
+    """TP 2 x EP 2 on 4 processes (the dense layers split over TP with sequence parallel, the experts whole on their
+    EP rank, their data-parallel group of 2), replaying the routes its old-logprob pass recorded (R2): the one-process
+    step, every replayed pair the router's own."""
     got = result(ran, "tp2-ep2")
+    assert got["metrics"]["moe/router_agreement"] == 1.0
     assert_same(result(ran, "ref"), got, "tp2 x ep2")
     assert_matches_float64(dapo_float64(model, batch), got, arch, "tp2 x ep2")
 

@@ -77,7 +77,8 @@ class LayerRouting:
         """This pass has a backward that recomputes: each forward's routes are queued for it."""
         self.backward: deque[torch.Tensor] = deque()
         self.recorded: list[torch.Tensor] = []
-        """[N, k] long per forward of a recording pass, in forward order."""
+        """[N, k] per forward of a recording pass, in forward order: on the host in the route dtype (a pass of many
+        micro-batches would otherwise keep every one's int64 indices on the device)."""
         self.stats = torch.zeros(3 + 2 * num_experts, dtype=torch.float64)
         """Over a pass: rows, rows in agreement, z (sum of logsumexp^2), probabilities summed per expert [E], tokens
         routed to each expert [E]. Rows counts the valid rows; agreement only replayed forwards' given rows."""
@@ -113,7 +114,7 @@ class LayerRouting:
         probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
         if not _in_backward():
             if self.mode == "record":
-                self.recorded.append(chosen.detach())
+                self.recorded.append(chosen.detach().to("cpu", route_dtype(self.num_experts)))
             self._count(scores, chosen, None)
         return probs, chosen
 
@@ -208,10 +209,11 @@ class Routing:
             if self.layout.sequence_parallel:
                 from megatron.core import parallel_state
 
+                rows = rows.to(self.layout.device, torch.int64)  # NCCL takes no uint8 on every build
                 parts = [torch.empty_like(rows) for _ in range(self.layout.tp)]
                 dist.all_gather(parts, rows.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
                 rows = torch.cat(parts)
-            out[:, :, layer.moe_index] = rows.view(length, b, k).transpose(0, 1).cpu()
+            out[:, :, layer.moe_index] = rows.view(length, b, k).transpose(0, 1).cpu().long()
         return out
 
     def metrics(self) -> dict[str, float]:
