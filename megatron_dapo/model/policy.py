@@ -90,12 +90,11 @@ class MegatronPolicy:
             return
         self.model = provider.wrap_ddp(chunks, cfg)
         self._routing(self.model)
+        self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
         tf_config = chunks[0].config
         self.moe_loss_coeffs = (tf_config.moe_aux_loss_coeff, tf_config.moe_z_loss_coeff)
         """The configured load-balancing and z-loss coefficients: each train step hands Megatron these over the
         step's token count (see _scale_moe_losses)."""
-        self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
-        tf_config = chunks[0].config
         tf_config.grad_scale_func = self.optimizer.scale_loss
         tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         # The loss is already divided by the global token count: finalize must not rescale by it.
