@@ -179,10 +179,11 @@ def cmd_verify(args) -> int:
 def preflight_commands() -> list[str]:
     """The preflight in two commands of at most 10 minutes each (--deadline-s skips a check that would not finish,
     so each fits a short job). The first runs the checks no CPU can stand in for (the trainer end to end, both
-    modes, and the vLLM checks), then the short core checks; the second the timing rows, which can wait."""
+    modes, the vLLM checks, the MoE train step with the engine's routes replayed), then the short core checks; the
+    second the timing rows, which can wait."""
     run = "PYTHONPATH=$PWD/.gpu_site PYTHONUNBUFFERED=1 python3 tools/preflight.py"
     return [
-        f"{run} --deadline-s 420 --only env,train_e2e,inflight_update,sleep_wake,bridge,bridge_fp8 "
+        f"{run} --deadline-s 420 --only env,train_e2e,inflight_update,sleep_wake,bridge,bridge_fp8,moe "
         f"--json $OUT/preflight_a.json; "
         f"{run} --deadline-s 100 --only limits,kernel_equality,determinism,train_tiny,te --json $OUT/preflight_b.json",
         f"{run} --deadline-s 400 --only train_0.5b,train_1.5b,profile,kernel_timing --json $OUT/preflight_c.json",
