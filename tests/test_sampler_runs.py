@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from run_helpers import comparable, metrics, newest_complete, python_path, run_train, wait_until
 
+from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.data.generator import generate_rows, write_jsonl
 from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
 from megatron_dapo.launch.writer_lock import LOCK_NAME
@@ -155,7 +155,7 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert (cut / "FINISHED").read_text().strip() == "5"
 
     def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
-        state = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+        state = read_rank_state(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt")
         return state["trainer"]["loader"]["scheduler"]["memory"]
 
     a, b = memory(full), memory(cut)
@@ -244,7 +244,7 @@ def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigt
     # a step's tokens are counted by the step that generated them, whatever weights did: each lands in one bin
     parts = ("trained", "wasted", "carried", "paused", "uninformative")
     assert all(m["tokens/generated"] == sum(m[f"tokens/{p}"] for p in parts) > 0 for m in lines)
-    last = torch.load(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt", weights_only=False)
+    last = read_rank_state(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt")
     visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
     assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
 

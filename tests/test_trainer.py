@@ -21,6 +21,7 @@ import torch
 from run_helpers import comparable, metrics, python_path, run_train, same_up_to_fp32_sums, session_survivors, wandb_env
 
 from megatron_dapo.algorithm import group_advantages
+from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.trainer import assign_advantages, batch_rewards, minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
@@ -241,7 +242,7 @@ def test_nan_losses_stop_the_run_which_resumes_with_fp8_rollouts(two_steps, tmp_
 
     def nan_in_a_row(step: int) -> int:
         path = run / "checkpoints" / f"step_{step:08d}" / "state" / "rank00000.pt"
-        return torch.load(path, weights_only=False)["trainer"]["nan_in_a_row"]
+        return read_rank_state(path)["trainer"]["nan_in_a_row"]
 
     assert nan_in_a_row(2) == 1
     fixed = ["trainer.max_nan_in_a_row=2", "trainer.total_steps=3", "eval.every=0"]  # temperature 1 again

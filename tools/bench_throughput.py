@@ -99,7 +99,7 @@ class _CountingSink:
     def __init__(self, quantization: str) -> None:
         self.weight_format = "fp8" if quantization == "fp8" else "none"
 
-    def update_weights(self, bucket) -> None:
+    def update_weights(self, bucket, digest=None) -> None:
         pass
 
     def finish_weight_update(self) -> None:
@@ -320,7 +320,7 @@ def main() -> None:
             policy = MegatronPolicy(cfg, arch, layout, weights)
             engine, bridge = (
                 _CountingSink(cfg.rollout.quantization),
-                WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes),
+                WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest),
             )
         result: dict = {
             "model": args.shape or model_dir.name,

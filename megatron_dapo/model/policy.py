@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.algorithm import correction_weight, loss_metrics, loss_normalizer, reduce_stats
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.config import Config
@@ -147,7 +148,10 @@ class MegatronPolicy:
         if self.layout.cp > 1:
             mbs = [slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
 
+        point = "logprob_batch" if forward_only else "micro_batch"  # progress.py's names: fault places count them
+
         def forward_step(data_iterator, model):
+            progress.point(point)
             mb = next(data_iterator)
             output = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return output, partial(loss_fn, mb)
