@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_helpers import comparable, metrics, newest_complete, python_path, run_train, wait_until
+from run_helpers import comparable, metrics, newest_complete, python_path, run_train, tagged, wait_until
 
 from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
+from megatron_dapo.launch.lifeline import RUN_TAG_ENV
 from megatron_dapo.launch.writer_lock import LOCK_NAME
 
 
@@ -310,21 +310,6 @@ def _child_with(pid: int, env_entry: str) -> int:
     return found[0]
 
 
-def _tagged(tag: str) -> dict[int, str]:
-    """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
-    entry = f"{RUN_TAG_ENV}={tag}".encode()
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
-                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-        except OSError:
-            continue
-    return found
-
-
 def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, after: int) -> int:
     """Start cmd (`launch local`, two torchrun ranks) in a session of its own, kill -9 its process group once step
     `after` is saved and a reward worker and both ranks run, check that every process of the run is gone within
@@ -337,9 +322,9 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         environ = Path(f"/proc/{children[0]}/environ").read_text().split("\0")
         tag = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{RUN_TAG_ENV}="))  # the launcher's
-        wait_until(lambda: any("multiprocessing" in c for c in _tagged(tag).values()), what="a reward worker")
+        wait_until(lambda: any("multiprocessing" in c for c in tagged(tag).values()), what="a reward worker")
         under = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        before = _tagged(tag)
+        before = tagged(tag)
         assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
         assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
         assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= 2, before
@@ -350,9 +335,9 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
     proc.wait()
     killed_at = time.monotonic()
     try:
-        wait_until(lambda: not _tagged(tag), timeout=10, what="no process of the run left")
+        wait_until(lambda: not tagged(tag), timeout=10, what="no process of the run left")
     finally:
-        for pid in _tagged(tag):  # never leave them running for the rest of the suite
+        for pid in tagged(tag):  # never leave them running for the rest of the suite
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - killed_at < 10
     return newest_complete(run)

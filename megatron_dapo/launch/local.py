@@ -39,7 +39,7 @@ FAILURE_GRACE_S = 5.0
 """After the train side has failed, how long the rollout side may take to exit on its own (its status may name the
 cause: a rollout process that died first) before it is killed."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""What a launcher passes on to the trainer's ranks (SIGINT as SIGTERM): each saves and exits 0."""
+"""What a launcher passes on to the trainer's ranks: each saves and exits 0 (a second Ctrl-C: each leaves at once)."""
 WATCH_S = 1.0
 """How often the launcher looks at the run's progress records for a stall."""
 
@@ -87,18 +87,17 @@ def start_side(cmd: list[str], env: dict[str, str], procs: int) -> subprocess.Po
 
 
 def signal_ranks(proc: subprocess.Popen, procs: int, signum: int) -> None:
-    """A stop signal to the trainer's ranks themselves (SIGINT as SIGTERM): torchrun answers a SIGTERM by stopping
-    its ranks and failing, where each rank on its own saves and exits 0 (and torchrun with them)."""
+    """A stop signal to the trainer's ranks themselves: torchrun answers a SIGTERM by stopping its ranks and failing,
+    where each rank on its own saves and exits 0 (and torchrun with them)."""
     import psutil
 
     if proc.poll() is not None:
         return
-    sig = signal.SIGTERM if signum == signal.SIGINT else signum
     with contextlib.suppress(psutil.NoSuchProcess):
         ranks = psutil.Process(proc.pid).children() if procs > 1 else [psutil.Process(proc.pid)]
         for rank in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
-                rank.send_signal(sig)
+                rank.send_signal(signum)
 
 
 def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
@@ -111,16 +110,16 @@ def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: O
     nproc = nproc or 1
     args = [*(["--config", config] if config else []), *overrides]
     env = run_env(cfg)
-    log_dir = Path(env[LOG_DIR_ENV])
+    log_dir, since = Path(env[LOG_DIR_ENV]), time.time()
     proc = start_side(train_command(args, nproc), env, nproc)
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(proc, nproc, n)) for s in STOP_SIGNALS}
     try:
         while proc.poll() is None:
-            if watch_run(log_dir) is not None:
+            if watch_run(log_dir, since) is not None:
                 return stalled(log_dir, [proc])
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=WATCH_S)
-        return stalled(log_dir, [proc]) if read_stall(log_dir) is not None else proc.returncode
+        return stalled(log_dir, [proc]) if read_stall(log_dir, since) is not None else proc.returncode
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -154,7 +153,7 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
         )
     args = [*(["--config", config] if config else []), *overrides]
     env = run_env(cfg)
-    log_dir = Path(env[LOG_DIR_ENV])
+    log_dir, since = Path(env[LOG_DIR_ENV]), time.time()
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
     rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
     visible = visible_gpus()
@@ -169,8 +168,8 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(train, train_procs, n)) for s in STOP_SIGNALS}
 
     try:
-        blamed = watch_sides(train, rollout, lambda: watch_run(log_dir) is not None)
-        if blamed is not None and read_stall(log_dir) is not None:
+        blamed = watch_sides(train, rollout, lambda: watch_run(log_dir, since) is not None)
+        if blamed is not None and read_stall(log_dir, since) is not None:
             return stalled(log_dir, [train, rollout])
         if blamed is None:
             return 0

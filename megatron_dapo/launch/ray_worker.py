@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +28,7 @@ class Worker:
         self.lock = threading.Lock()
         self.reader: Optional[threading.Thread] = None
         self.log_dir: Optional[Path] = None  # the attempt's log folder (DAPO_LOG_DIR): where a stall shows
+        self.started = 0.0
         self.stalled = False
 
     def where(self, paths: list[str]) -> dict[str, Any]:
@@ -56,6 +58,7 @@ class Worker:
         full = launcher_env({**full, **env})
         full["PYTHONUNBUFFERED"] = "1"  # lines as they are written
         self.log_dir = Path(full[LOG_DIR_ENV]) if full.get(LOG_DIR_ENV) else None
+        self.started = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_dapo.train", *args],
             env=full,
@@ -83,7 +86,7 @@ class Worker:
         """(the lines since the last poll, the exit status or None while running). The status comes only after the
         process's last line has been read."""
         rc = None if self.proc is None else self.proc.poll()
-        if rc is None and self.log_dir is not None and watch_run(self.log_dir) is not None:
+        if rc is None and self.log_dir is not None and watch_run(self.log_dir, self.started) is not None:
             self.kill()  # the run stalled: its stacks, then the process
         if self.stalled:
             rc = STALL_EXIT
@@ -103,7 +106,7 @@ class Worker:
         their stacks first. Returns the stall's report (its line, the stalled process's stacks), or ''."""
         if self.proc is None:
             return ""
-        if self.log_dir is None or read_stall(self.log_dir) is None:
+        if self.log_dir is None or read_stall(self.log_dir, self.started) is None:
             kill_tree(self.proc)
             return ""
         self.stalled = True

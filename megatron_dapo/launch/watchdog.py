@@ -72,18 +72,23 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)  # a reader sees the old record or the new one, never half of one
 
 
-def read_records(log_dir: Path) -> list[dict[str, Any]]:
-    """Every process's last record (an unreadable one is skipped)."""
+def read_records(log_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
+    """Every process's last record refreshed at `since` or later (older ones are an earlier run's that used the same
+    folder: a torchrun rendezvous id given twice); an unreadable one is skipped."""
     out = []
     for path in sorted((log_dir / "progress").glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
-            out.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
+            if record["beat"] >= since:
+                out.append(record)
     return out
 
 
-def read_stall(log_dir: Path) -> Optional[dict[str, Any]]:
+def read_stall(log_dir: Path, since: float = 0.0) -> Optional[dict[str, Any]]:
+    """The stall claimed in log_dir at `since` or later (an older one is an earlier run's), or None."""
     with contextlib.suppress(OSError, ValueError):
-        return json.loads((log_dir / STALL_FILE).read_text())
+        stall = json.loads((log_dir / STALL_FILE).read_text())
+        return stall if stall["at"] >= since else None
     return None
 
 
@@ -117,19 +122,23 @@ def stall_line(stall: dict[str, Any], log_dir: Path) -> str:
     )
 
 
-def claim_stall(log_dir: Path, stall: dict[str, Any], by: str) -> dict[str, Any]:
-    """Write stall.json unless another process already did; the stall it holds (the first finder's)."""
+def claim_stall(log_dir: Path, stall: dict[str, Any], by: str, since: float = 0.0) -> dict[str, Any]:
+    """Write stall.json unless another process of this run (one claimed at `since` or later) already did; the stall
+    it holds (the first finder's)."""
     path = log_dir / STALL_FILE
     record = {**stall, "line": stall_line(stall, log_dir), "found_by": by, "at": time.time()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(record))
     try:
-        os.link(tmp, path)  # fails if it exists: of two finders one wins
+        if read_stall(log_dir) is not None and read_stall(log_dir, since) is None:
+            os.replace(tmp, path)  # an earlier run's
+        else:
+            os.link(tmp, path)  # fails if it exists: of two finders one wins
     except FileExistsError:
         pass
     finally:
-        tmp.unlink()
-    return read_stall(log_dir) or record
+        tmp.unlink(missing_ok=True)
+    return read_stall(log_dir, since) or record
 
 
 def _alive(record: dict[str, Any]) -> bool:
@@ -165,6 +174,7 @@ class Watchdog:
         progress.STATE.fault_marker = fault_marker
         progress.arm_backstop(backstop_s, self.stacks)
         self.exited = False
+        self.started = time.time()  # what the folder holds from before (an earlier run's) is not this run's
         self._publishing = threading.Lock()  # the thread and stop() both publish
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
@@ -215,12 +225,12 @@ class Watchdog:
             if now - checked < self.check_s:
                 continue
             checked = now
-            stall = read_stall(self.log_dir)
+            stall = read_stall(self.log_dir, self.started)
             if stall is None:
-                found = find_stall(read_records(self.log_dir), now)
+                found = find_stall(read_records(self.log_dir, self.started), now)
                 if found is None:
                     continue
-                stall = claim_stall(self.log_dir, found, self.label)
+                stall = claim_stall(self.log_dir, found, self.label, self.started)
             self._end(stall)
 
     def _end(self, stall: dict[str, Any]) -> None:
@@ -231,7 +241,7 @@ class Watchdog:
         if not self.exited and not (me and not stall["running"]):  # a woken culprit's stacks are written already
             stopped = [
                 r["pid"]
-                for r in read_records(self.log_dir)
+                for r in read_records(self.log_dir, self.started)
                 if not r.get("exited")
                 and _alive(r)
                 and r["pid"] != os.getpid()
@@ -259,17 +269,18 @@ def start_watchdog(run_dir: str | Path, label: str, deadline: float, collective_
 # ---------------------------------------------------------------- the launchers' side
 
 
-def watch_run(log_dir: Path) -> Optional[dict[str, Any]]:
-    """What a launcher looks for while its processes run: the stall.json a process wrote, or a process of this host
-    whose record stopped being refreshed (it cannot run: it wrote nothing, so stall.json is written here)."""
-    stall = read_stall(log_dir)
+def watch_run(log_dir: Path, since: float = 0.0) -> Optional[dict[str, Any]]:
+    """What a launcher (started at `since`) looks for while its processes run: the stall.json a process wrote, or a
+    process of this host whose record stopped being refreshed (it cannot run: it wrote nothing, so stall.json is
+    written here)."""
+    stall = read_stall(log_dir, since)
     if stall is not None:
         return stall
     now = time.time()
-    found = find_stall([r for r in read_records(log_dir) if _alive(r)], now)
+    found = find_stall([r for r in read_records(log_dir, since) if _alive(r)], now)
     if found is None or found["running"]:  # a process that runs finds its own stall
         return None
-    return claim_stall(log_dir, found, "the launcher")
+    return claim_stall(log_dir, found, "the launcher", since)
 
 
 def end_stalled(log_dir: Path, pids: list[int], kill: Any) -> str:
@@ -306,10 +317,10 @@ def node_watch(log_dir: Path) -> int:
     """A Slurm node's launcher side (slurm/torchrun_node.sh runs it beside torchrun): until its parent (torchrun, which
     the script became) ends, look for a stall; then wake this node's processes of the run for their stacks, kill them
     and report. STALL_EXIT after a stall, else 0."""
-    parent = os.getppid()
+    parent, since = os.getppid(), time.time()
     while os.getppid() == parent:
-        if watch_run(log_dir) is not None:
-            pids = [r["pid"] for r in read_records(log_dir) if _alive(r)]
+        if watch_run(log_dir, since) is not None:
+            pids = [r["pid"] for r in read_records(log_dir, since) if _alive(r)]
             print(end_stalled(log_dir, pids, lambda pids=pids: _kill_trees(pids)), file=sys.stderr, flush=True)
             return STALL_EXIT
         time.sleep(1.0)
