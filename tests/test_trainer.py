@@ -22,6 +22,7 @@ from run_helpers import comparable, metrics, python_path, run_train, same_up_to_
 
 from megatron_dapo.algorithm import group_advantages
 from megatron_dapo.convert.resolve import read_rank_state
+from megatron_dapo.launch.watchdog import read_records
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.trainer import assign_advantages, batch_rewards, minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
@@ -273,11 +274,27 @@ def test_two_rollout_processes_take_the_one_process_run_s_steps_and_evaluate(two
     taking each weight update) and one train process: samples do not depend on the number of engines (the data
     parallel test above), so this run is two_steps' one-process run step for step, the rollout side's held-out
     evaluation after step 2 (both engines sampling half the problems) included; the losses and the engines'
-    logprobs within fp32 rounding (two engines batch their sequences differently)."""
+    logprobs within fp32 rounding (two engines batch their sequences differently).
+
+    Every process group of the run has trainer.collective_timeout_s as its timeout: the worlds of both sides,
+    Megatron's groups, vLLM's (made inside each engine), the sides' channel and the weight transport, as each
+    process published them (run_dir/logs)."""
     overrides, ref_run, _ = two_steps
     run = tmp_path / "split"
     split = ["pipeline.mode=async", "pipeline.rollout_gpus=2", "sampler.max_staleness=0", "--nproc-per-node", "3"]
-    run_train([*overrides, f"trainer.run_dir={run}", *split], launcher="local")  # torchrun: the 2 rollout processes
+    timeout = ["trainer.collective_timeout_s=1234"]
+    run_train([*overrides, f"trainer.run_dir={run}", *split, *timeout], launcher="local")  # torchrun: 2 rollouts
+    records = {r["label"]: r["groups"] for r in read_records(next((run / "logs").glob("*/progress")).parent)}
+    assert sorted(records) == ["rollout 0", "rollout 1", "train 0"]
+    assert all(t == 1234.0 for groups in records.values() for t in groups.values()), records
+    train, rollout0 = set(records["train 0"]), set(records["rollout 0"])
+    assert {"world", "transport:batches", "transport:weights", "megatron:tensor_model_parallel_group"} <= train
+    assert {"megatron:data_parallel_group", "megatron:pipeline_model_parallel_group"} <= train
+    assert {"world", "transport:batches", "transport:weights"} <= rollout0 and "transport:batches" not in records[
+        "rollout 1"
+    ]
+    assert all(sum(n.startswith("vllm:") for n in records[r]) >= 2 for r in ("rollout 0", "rollout 1"))  # the engines'
+    assert not any(n.startswith("vllm:") for n in train)
     got = metrics(run)
     assert [m["pipeline/weights_version"] for m in got] == [0.0, 1.0]
     assert all(m["weight_transport/gb"] > 0 for m in got)

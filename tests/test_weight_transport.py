@@ -90,6 +90,26 @@ def test_weights_sent_mid_generation_are_applied_in_flight(ran):
     assert after > 0
 
 
+@pytest.mark.slow
+def test_a_bucket_damaged_in_flight_is_refused_and_the_engine_samples_with_the_weights_it_had(ran):
+    """Version 2's last bucket damaged after its digest was taken: the engine refuses the update before it loads
+    anything, naming the bucket and its first tensor, and samples afterwards with version 1's weights (transformers
+    on the perturbed copy sent as version 1)."""
+    model_dir, out = ran
+    got = json.loads((out / "phase3.json").read_text())
+    assert got["version"] == 2
+    assert (
+        got["error"].startswith("weight sync: bucket ")
+        and " of weight update 2 arrived damaged: its first tensor '" in got["error"]
+    )
+    assert got["error"].endswith("was sent; nothing of it was loaded")
+    old = load_hf_model(model_dir)
+    v1 = load_hf_model(model_dir, perturbed_state_dict(old, seed=PERTURB_SEED))
+    torch.testing.assert_close(
+        torch.tensor(got["logprobs"]), hf_logprobs(v1, PROMPTS[0], got["ids"]), atol=ATOL_HF, rtol=0
+    )
+
+
 def test_bad_use_is_refused_with_what_to_do():
     s = WeightSender(None)
     with pytest.raises(RuntimeError, match="before begin"):
@@ -112,8 +132,8 @@ _PRIME, _PERIOD = (1 << 61) - 1, 65521
 
 def _reference_digest(bucket) -> str:
     """bucket_digest's formula, written out over Python integers: per tensor its name, dtype and shape, then over its
-    bytes as little-endian signed 16-bit words w_i (a zero byte appended to an odd count) shifted to 0..65535,
-    sum(w_i) and sum(w_i * (i mod 65521 + 1)) modulo 2**61 - 1."""
+    bytes as little-endian signed 16-bit words w_i (a zero byte appended to an odd count), sum(w_i) and
+    sum(w_i * (i mod 65521 + 1)) modulo 2**61 - 1."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=16)
@@ -122,7 +142,7 @@ def _reference_digest(bucket) -> str:
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)};".encode())
         raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
         raw += b"\0" * (len(raw) % 2)
-        words = [int.from_bytes(raw[i : i + 2], "little", signed=True) + 32768 for i in range(0, len(raw), 2)]
+        words = [int.from_bytes(raw[i : i + 2], "little", signed=True) for i in range(0, len(raw), 2)]
         sums.append([sum(words) % _PRIME, sum(w * (i % _PERIOD + 1) for i, w in enumerate(words)) % _PRIME])
     if sums:
         h.update(repr(sums).encode())
@@ -137,7 +157,6 @@ def test_the_bucket_digest_is_its_formula_and_changes_with_any_bit_or_order(seed
     from megatron_dapo.rollout.weight_transport import bucket_digest
 
     monkeypatch.setattr(wt, "_CHUNK", 2 * _PERIOD)
-    monkeypatch.setattr(wt, "_weights", {})
     g = torch.Generator().manual_seed(seed)
     bucket = [
         ("big.weight", torch.randn(5 * _PERIOD + 3, generator=g)),  # three passes, the last one short

@@ -155,7 +155,7 @@ class RolloutController:
             while True:
                 # the next batch only while the batches collected and not trained stay within eta
                 self._wait(lambda: self.loader.version - self.weights <= self.eta)
-                progress.set_phase("collect", step=self.loader.version)  # the stall watchdog's: batch K
+                progress.set_phase("collect", step=self.loader.version + 1)  # the step this batch trains
                 try:
                     batch = self.loader.next_batch()
                 except DynamicSamplingError as e:  # the trainer raises it: one error line, as colocated

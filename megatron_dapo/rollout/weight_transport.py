@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import threading
 import time
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -48,21 +49,28 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 _PRIME = (1 << 61) - 1
 _WEIGHT_PERIOD = 65521  # the largest prime below 2**16: a word's weight is its position modulo this, plus 1
-_CHUNK = _WEIGHT_PERIOD * 256  # words per pass: bounds the checksum's temporary memory (~3 x 128 MiB)
-_weights: dict[torch.device, torch.Tensor] = {}
+_CHUNK = _WEIGHT_PERIOD * 32  # words per pass (< 2**21: its sums < 2**52, exact in float64), a multiple of the period
+_cpu_buffers = threading.local()  # per thread: a pass writes into its buffer
 
 
-def _position_weights(device: torch.device) -> torch.Tensor:
-    if device not in _weights:
-        _weights[device] = torch.arange(_CHUNK, dtype=torch.int64, device=device) % _WEIGHT_PERIOD + 1
-    return _weights[device]
+def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the position weights, a pass's words) as float64: CPU keeps them (fresh host memory is slow to touch, ~5x
+    here), a GPU's caching allocator makes them cheap to ask for again."""
+    kept = getattr(_cpu_buffers, "made", None)
+    if device.type == "cpu" and kept is not None and kept[0].numel() == _CHUNK:
+        return kept
+    weights = (torch.arange(_CHUNK, dtype=torch.int64, device=device) % _WEIGHT_PERIOD + 1).to(torch.float64)
+    made = (weights, torch.empty(_CHUNK, dtype=torch.float64, device=device))
+    if device.type == "cpu":
+        _cpu_buffers.made = made
+    return made
 
 
 def bucket_digest(bucket: Bucket) -> str:
-    """A checksum of a bucket as it crosses: each tensor's name, dtype, shape and bytes, in order. The bytes, as
+    """A checksum of a bucket as it crosses: each tensor's name, dtype, shape and bytes, in order. The bytes, as signed
     16-bit words w_i, give sum(w_i) and sum(w_i * (i mod 65521 + 1)) modulo 2**61 - 1, computed where the tensor is
-    (no copy to the host): any changed word, and words moved within a tensor, change it. A check against damage in
-    transit or loading, not against tampering. Returns 32 hex digits."""
+    (no copy to the host; a pass's sums are below 2**52, exact in float64): any changed word, and words moved within
+    a tensor, change it. A check against damage in transit or loading, not against tampering. 32 hex digits."""
     h = hashlib.blake2b(digest_size=16)
     sums = []
     for name, t in bucket:
@@ -71,13 +79,15 @@ def bucket_digest(bucket: Bucket) -> str:
         if raw.numel() % 2:
             raw = torch.cat([raw, raw.new_zeros(1)])
         words = raw.view(torch.int16)
-        weights = _position_weights(words.device)
+        weights, buffer = _buffers(words.device)
         s1 = torch.zeros((), dtype=torch.int64, device=words.device)
         s2 = torch.zeros((), dtype=torch.int64, device=words.device)
         for start in range(0, words.numel(), _CHUNK):
-            w = words[start : start + _CHUNK].to(torch.int64) + 32768  # 0..65535
-            s1 = (s1 + w.sum()) % _PRIME
-            s2 = (s2 + (w * weights[: w.numel()]).sum()) % _PRIME  # < 2**56 per pass: no overflow
+            n = min(_CHUNK, words.numel() - start)
+            w = buffer[:n]
+            w.copy_(words[start : start + n])
+            s1 = (s1 + w.sum().to(torch.int64)) % _PRIME
+            s2 = (s2 + torch.dot(w, weights[:n]).to(torch.int64)) % _PRIME
         sums.append(torch.stack([s1, s2]))
     if sums:
         h.update(repr(torch.stack(sums).cpu().tolist()).encode())  # one copy to the host per bucket
