@@ -212,7 +212,7 @@ def train(config: str | None, overrides: list[str]) -> int | None:
     if rank == "0":  # the writer of checkpoints and metrics: one per run directory
         from megatron_dapo.launch.writer_lock import WriterLock
 
-        lock = WriterLock.acquire(t.run_dir, log=log.warning)
+        lock = WriterLock.acquire(cfg.trainer.run_dir, log=log.warning)
         log.info("starting: config %s, run directory %s", config or "(defaults)", t.run_dir)
     label = f"train {rank}" if role == "train" else f"rank {rank}"
     watchdog = None

@@ -305,10 +305,10 @@ print(load_config(sys.argv[1], sys.argv[2:]).trainer.stall_requeues)' "$CONFIG" 
         echo $((stalls + 1)) >"$count_file"
         log "the run stalled ($line): requeue $((stalls + 1)) of trainer.stall_requeues=$limit, from" \
             "${latest_now:-the start}"
-        scontrol requeue "$SLURM_JOB_ID" || {
-            log "scontrol requeue $SLURM_JOB_ID failed: resubmit by hand"
+        if ! scontrol requeue "$SLURM_JOB_ID"; then
+            log "scontrol requeue $SLURM_JOB_ID failed: resubmit by hand, the run resumes from ${latest_now:-the start}"
             exit 75
-        }
+        fi
         exit 0
     fi
     log "the run stalled ($line); no requeue left (trainer.stall_requeues=$limit): see $job_log/stacks.txt"

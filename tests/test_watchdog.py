@@ -197,3 +197,41 @@ def _status(pid: int) -> str:
     """/proc/<pid>/stat's state letter (T: stopped)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2]
+
+
+def test_an_earlier_run_s_records_and_stall_in_the_same_folder_are_not_this_run_s(tmp_path):
+    """A folder used twice (a torchrun rendezvous id given again): records not refreshed since this run started and
+    a stall.json claimed before it are ignored, and this run's own stall replaces the old one."""
+    (tmp_path / "progress").mkdir()
+    old = {**_record("rank 0", NOW - 500, beat=NOW - 400), "label": "rank 0"}
+    (tmp_path / "progress" / "rank0-h-1.json").write_text(json.dumps(old))
+    (tmp_path / watchdog.STALL_FILE).write_text(json.dumps({"line": "an old stall", "at": NOW - 300}))
+    since = NOW - 100
+    assert watchdog.read_records(tmp_path, since) == [] and watchdog.read_records(tmp_path)[0]["label"] == "rank 0"
+    assert read_stall(tmp_path, since) is None and read_stall(tmp_path)["line"] == "an old stall"
+    stall = find_stall([_record("rank 1", NOW - 60, beat=NOW - 30)], NOW)
+    claimed = watchdog.claim_stall(tmp_path, stall, "rank 0", since)
+    assert claimed["culprit"]["label"] == "rank 1" and read_stall(tmp_path, since)["found_by"] == "rank 0"
+
+
+def test_the_waits_between_the_asynchronous_sides_end_at_the_collective_timeout():
+    """The train side's wait for a batch (or an evaluation) and the controller's wait for the train side: at most
+    trainer.collective_timeout_s, then a TimeoutError naming what did not come (their own code, on a bare state)."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.pipeline.controller import RolloutController
+    from megatron_dapo.pipeline.remote import RemoteRollout
+
+    train = SimpleNamespace(timeout_s=0.3, POLL_S=0.01)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not hand over batch 7 within trainer.collective_timeout_s=0.3 s"):
+        RemoteRollout._poll(train, lambda: False, "batch 7")
+    assert 0.3 <= time.monotonic() - t0 < 5
+    served = []  # the train side asks for something once, then nothing: the deadline counts from its last ask
+    rollout = SimpleNamespace(
+        timeout_s=0.3, POLL_S=0.01, served=4, weights=3, _service=lambda boundary: not served and not served.append(1)
+    )
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"the train side asked for nothing within trainer.collective_timeout_s"):
+        RolloutController._wait(rollout, lambda: False)
+    assert 0.3 <= time.monotonic() - t0 < 5 and served == [1]

@@ -15,6 +15,7 @@ import torch
 from rollout_helpers import hf_logprobs, load_hf_model, perturbed_state_dict
 from transport_worker import PERTURB_SEED, PROMPTS, K
 
+from megatron_dapo import progress
 from megatron_dapo.rollout.weight_transport import WeightSender
 
 HERE = Path(__file__).resolve().parent
@@ -231,6 +232,7 @@ def test_a_bucket_damaged_in_flight_is_refused_before_the_engine_sees_any_of_it(
         return seen, None
 
     got = _two_ends(send, receive)
+    assert progress.STATE.groups["transport:test"] == 60.0  # the group's own timeout, as its backend holds it
     seen, error = got[1]
     assert [n for n, _ in seen] == ["a.weight"] and torch.equal(seen[0][1], torch.arange(6.0))
     assert error is not None and error.startswith(
