@@ -9,11 +9,11 @@ run a command (leaving OUT_DIR/ran): what rank 0's Comm.broadcast_object said.""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 import torch.distributed as dist
+from run_helpers import RunsCode
 from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
 from megatron_dapo.reward import RewardPool
@@ -145,14 +145,6 @@ def free_steps(comm: Comm) -> dict:
     return out
 
 
-class _RunsCode:
-    def __init__(self, mark: str) -> None:
-        self.mark = mark
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.mark}",))
-
-
 def crafted(comm: Comm, out_dir: str) -> dict:
     import pickle
 
@@ -162,7 +154,7 @@ def crafted(comm: Comm, out_dir: str) -> dict:
     from megatron_dapo.safe_pickle import RefusedPickle
 
     gathered = comm.gather_objects([meta(comm.rank)], dst=0)
-    data = pickle.dumps([_RunsCode(f"{out_dir}/ran")]) if comm.rank == 1 else None
+    data = pickle.dumps([RunsCode(f"{out_dir}/ran")]) if comm.rank == 1 else None
     error = None
     if comm.rank == 1:  # what an attacker on the network sends: bytes, as Comm sends objects
         broadcast_bytes(data, True, lambda t: dist.broadcast(t, src=1), torch.device("cpu"))

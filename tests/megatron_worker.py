@@ -285,14 +285,6 @@ def finish(policy, last: bool) -> None:
     parallel_state.destroy_model_parallel()
 
 
-class _RunsCode:
-    def __init__(self, mark: str) -> None:
-        self.mark = mark
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.mark}",))
-
-
 def _unsafe_and_full(policy, manager, layout, out: str) -> dict:
     """A state file that names code to run, put into the newest complete checkpoint: load refuses it without
     falling back to an older one, running nothing. Then (one process, as root) saves into a tmpfs with room for two
@@ -301,6 +293,7 @@ def _unsafe_and_full(policy, manager, layout, out: str) -> dict:
     import tempfile
 
     import torch.distributed as dist
+    from run_helpers import RunsCode
 
     from megatron_dapo.checkpoint import CheckpointManager, CheckpointSpaceError
     from megatron_dapo.convert.resolve import UnsafeCheckpoint, rank_state_file
@@ -310,7 +303,7 @@ def _unsafe_and_full(policy, manager, layout, out: str) -> dict:
     crafted.save(policy, 1, {})
     crafted.save(policy, 2, {})
     dist.barrier()  # every rank's own file (each reads its own before anything collective)
-    torch.save({"step": 2, "trainer": _RunsCode(mark)}, rank_state_file(crafted.root / "step_00000002", layout.rank))
+    torch.save({"step": 2, "trainer": RunsCode(mark)}, rank_state_file(crafted.root / "step_00000002", layout.rank))
     dist.barrier()
     try:
         crafted.load(policy)

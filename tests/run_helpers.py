@@ -147,3 +147,14 @@ def stalled_and_gone(proc: subprocess.Popen, tag: str, timeout: float) -> tuple[
         for pid in tagged(tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+class RunsCode:
+    """What a crafted pickle or checkpoint does: name a function to call on load (here, one that leaves a mark, the
+    file `mark`, which the tests check was never made)."""
+
+    def __init__(self, mark: Path | str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))

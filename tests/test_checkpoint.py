@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_helpers import Job, random_batch, result, save_case, tiny_hf_model
+from run_helpers import RunsCode
 
 # dp2 in bf16, the GPU configs' precision: the distributed optimizer's checkpoint of a bf16 model (fp32 main
 # params and Adam moments beside bf16 weights)
@@ -97,18 +98,6 @@ def test_a_checkpoint_of_the_other_layer_spec_is_refused_and_another_attention_w
     assert "trained with attention 'sdpa', this run uses 'unfused'" in caplog.text
 
 
-class _RunsCode:
-    """What a crafted checkpoint does: name a function to call on load (here, one that leaves a mark)."""
-
-    def __init__(self, mark: Path) -> None:
-        self.mark = mark
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.mark}",))
-
-
 def test_a_rank_state_reads_back_and_one_that_would_run_code_is_refused_not_run(tmp_path):
     """The checkpoint's door: what a rank's state file holds (torch's and Megatron's RNG tensors, numpy's and
     Python's RNG states, the loader's state with its numpy record and the scheduler's records) reads back through the
@@ -139,7 +128,7 @@ def test_a_rank_state_reads_back_and_one_that_would_run_code_is_refused_not_run(
     assert all(np.array_equal(a, b) for a, b in zip(got["rng"]["numpy"][1:2], state["rng"]["numpy"][1:2]))
     assert np.array_equal(got["trainer"]["loader"]["memory"]["visits"], np.arange(5)) and got["trainer"]["meta"] == meta
     mark = tmp_path / "ran"
-    torch.save({"step": 1, "trainer": _RunsCode(mark)}, tmp_path / "rank00001.pt")
+    torch.save({"step": 1, "trainer": RunsCode(mark)}, tmp_path / "rank00001.pt")
     with pytest.raises(UnsafeCheckpoint) as refused:
         read_rank_state(tmp_path / "rank00001.pt")
     assert str(refused.value).startswith(f"{tmp_path / 'rank00001.pt'}: refused to load: it names posix.system to run")

@@ -462,6 +462,7 @@ def test_stop_signals_count_a_duplicate_delivery_once():
 
         stop = StopSignals()  # Ctrl-C: the first finishes the step and saves; a second one, however soon, leaves
         stop.running = True
+        assert signal.getsignal(signal.SIGINT) == stop._handle  # not Python's KeyboardInterrupt (a traceback)
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.name == "SIGINT"
         with pytest.raises(SystemExit, match=r"^SIGINT: stopping now \(again\), nothing saved$"):

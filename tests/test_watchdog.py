@@ -223,15 +223,35 @@ def test_the_waits_between_the_asynchronous_sides_end_at_the_collective_timeout(
     from megatron_dapo.pipeline.remote import RemoteRollout
 
     train = SimpleNamespace(timeout_s=0.3, POLL_S=0.01)
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"did not hand over batch 7 within trainer.collective_timeout_s=0.3 s"):
-        RemoteRollout._poll(train, lambda: False, "batch 7")
-    assert 0.3 <= time.monotonic() - t0 < 5
+    error, took = _ends(lambda: RemoteRollout._poll(train, lambda: False, "batch 7"))
+    assert isinstance(error, TimeoutError) and 0.3 <= took < 5
+    assert "did not hand over batch 7 within trainer.collective_timeout_s=0.3 s" in str(error)
     served = []  # the train side asks for something once, then nothing: the deadline counts from its last ask
     rollout = SimpleNamespace(
         timeout_s=0.3, POLL_S=0.01, served=4, weights=3, _service=lambda boundary: not served and not served.append(1)
     )
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"the train side asked for nothing within trainer.collective_timeout_s"):
-        RolloutController._wait(rollout, lambda: False)
-    assert 0.3 <= time.monotonic() - t0 < 5 and served == [1]
+    error, took = _ends(lambda: RolloutController._wait(rollout, lambda: False))
+    assert isinstance(error, TimeoutError) and 0.3 <= took < 5 and served == [1]
+    assert "the train side asked for nothing within trainer.collective_timeout_s=0.3 s" in str(error)
+
+
+def _ends(wait, limit: float = 10.0) -> tuple[BaseException | None, float]:
+    """(what wait() raised, the seconds it took), run in a thread: a wait without its deadline fails the test in
+    `limit` seconds instead of hanging it."""
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            box["error"] = e
+        box["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"still waiting after {limit} s: the wait has no deadline"
+    return box.get("error"), box["took"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from rollout_helpers import hf_logprobs, load_hf_model, perturbed_state_dict
+from run_helpers import RunsCode
 from transport_worker import PERTURB_SEED, PROMPTS, K
 
 from megatron_dapo import progress
@@ -241,16 +242,6 @@ def test_a_bucket_damaged_in_flight_is_refused_before_the_engine_sees_any_of_it(
     assert error.endswith(f"where {bucket_digest(buckets[1])} was sent; nothing of it was loaded")
 
 
-class _RunsCode:
-    """What a crafted pickle does: name a function to call on load (here, one that leaves a mark)."""
-
-    def __init__(self, mark: Path) -> None:
-        self.mark = mark
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.mark}",))
-
-
 def test_an_object_that_would_run_code_is_refused_by_the_transport_not_run(tmp_path):
     """The door of the asynchronous batches (TransportGroup.broadcast_object: whole batches, the loader's state): a
     pickle that names os.system is refused, naming it; the mark it would leave is never made. Plain data, numpy
@@ -268,7 +259,7 @@ def test_an_object_that_would_run_code_is_refused_by_the_transport_not_run(tmp_p
 
     def send(group):
         group.broadcast_object(fine, 0)
-        crafted = pickle.dumps({"cmd": "start", "state": _RunsCode(mark)})
+        crafted = pickle.dumps({"cmd": "start", "state": RunsCode(mark)})
         broadcast_bytes(crafted, True, lambda t: group.broadcast(t, 0), group.device)  # bytes as an attacker sends
 
     def receive(group):

@@ -173,8 +173,12 @@ def _group_names() -> dict[Any, str]:
 
 
 def group_timeout_s(group: Any) -> float:
-    """A process group's collective timeout, as its backend (gloo, NCCL) holds it."""
-    return min(group._get_backend(d).options._timeout.total_seconds() for d in group._device_types)
+    """A process group's collective timeout, as its backend (gloo, NCCL) holds it; -1 where a backend does not say
+    (what is published is a record, never a reason to stop a run)."""
+    try:
+        return min(group._get_backend(d).options._timeout.total_seconds() for d in group._device_types)
+    except (AttributeError, RuntimeError):
+        return -1.0
 
 
 def arm_group_timeouts(timeout_s: float) -> dict[str, float]:

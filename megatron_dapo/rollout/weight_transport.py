@@ -155,8 +155,11 @@ class TransportGroup:
         return group
 
     def timeout_s(self) -> float:
-        """The group's collective timeout, as its backend holds it."""
-        return self.pg.options._timeout.total_seconds()
+        """The group's collective timeout, as its backend holds it (-1 where it does not say)."""
+        try:
+            return self.pg.options._timeout.total_seconds()
+        except AttributeError:
+            return -1.0
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
