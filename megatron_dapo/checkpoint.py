@@ -9,8 +9,9 @@
 
 A checkpoint is written under `step_N.tmp` and renamed when complete, and `latest` is
 replaced atomically after that, so a crash mid-save never leaves a half checkpoint that
-looks whole. `load` falls back from a missing or unreadable checkpoint to the previous
-complete one, saying so. The optimizer uses the distributed optimizer's dp_reshardable
+looks whole; a save that fails removes its `step_N.tmp` (a full disk says so, with the space it needs). `load` falls
+back from a missing or unreadable checkpoint to the previous complete one, saying so; a state file that names code
+to run is refused outright (convert/resolve.py read_rank_state: torch's weights-only unpickler). The optimizer uses the distributed optimizer's dp_reshardable
 format (the default one cannot be saved from every layout). The layout's file names and the
 search for complete steps are convert/resolve.py's, so the conversion tools read it without
 importing this module.
@@ -18,6 +19,7 @@ importing this module.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -27,9 +29,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.cli import UserError
 from megatron_dapo.convert.megatron_io import in_process_write_results, model_sharded_state_dict
-from megatron_dapo.convert.resolve import COMPLETE, LATEST, complete_steps, step_candidates
+from megatron_dapo.convert.resolve import (
+    COMPLETE,
+    LATEST,
+    UnsafeCheckpoint,
+    complete_steps,
+    rank_state_file,
+    read_rank_state,
+    step_candidates,
+)
 from megatron_dapo.model.provider import unwrap
 
 log = logging.getLogger("megatron_dapo.checkpoint")
@@ -139,6 +150,44 @@ class CheckpointMismatch(CheckpointError):
     """A checkpoint this run cannot take whichever candidate is tried: refused at once, no fallback."""
 
 
+class CheckpointSpaceError(CheckpointError):
+    """A save that ran out of disk space: its partial folder was removed."""
+
+
+def _out_of_space(e: BaseException, where: Path) -> bool:
+    """e (or what caused it) is a full disk: ENOSPC, or a writer's failure while `where`'s filesystem has no room
+    (torch's zip writer reports a short write as 'unexpected pos')."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(where).free < 1 << 20
+    except OSError:
+        return False
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _state_bytes(sharded: dict) -> int:
+    """The bytes of the tensors in a sharded state dict (Megatron's ShardedTensors hold theirs in .data)."""
+    total, todo = 0, [sharded]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        else:
+            t = x if isinstance(x, torch.Tensor) else getattr(x, "data", None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
 def layer_impl(layout) -> dict[str, Any]:
     """What a checkpoint records of how its layers were built: the layer spec (Transformer Engine's and the local
     one order their parameters and gradient buckets differently, so the optimizer state maps only onto the same
@@ -197,30 +246,60 @@ class CheckpointManager:
         final = _step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         rank = policy.layout.rank
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a previous crash mid-save
-            (tmp / "state").mkdir(parents=True)
-            (tmp / "dist").mkdir()
-        dist.barrier()
+        with progress.phase("save"):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a previous crash mid-save
+                (tmp / "state").mkdir(parents=True)
+                (tmp / "dist").mkdir()
+            with progress.waiting("the other ranks (a checkpoint's start)"):
+                dist.barrier()
+            self._write(policy, step, trainer_state, tmp)
+            with progress.waiting("the other ranks (a checkpoint's end)"):
+                dist.barrier()
+            self._complete(policy, tmp, final)
+        return final
+
+    def _write(self, policy, step: int, trainer_state: dict[str, Any], tmp: Path) -> None:
+        """This rank's shards and state file into tmp; a failure removes tmp and raises (a full disk: one line
+        naming the path and the space a checkpoint needs)."""
         from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException
 
         _fresh_adam_state(policy.optimizer)
         _, sharded = _sharded_state(policy, is_loading=False)
-        with in_process_write_results():
-            dist_checkpointing.save(sharded, str(tmp / "dist"))
-        torch.save(
-            {
+        rank = policy.layout.rank
+        try:
+            with in_process_write_results():
+                dist_checkpointing.save(sharded, str(tmp / "dist"))
+            progress.point("save")  # this rank's shards are written
+            state = {
                 "step": step,
                 "scheduler": policy.scheduler.state_dict(),
                 "optimizer_steps": policy.optimizer_steps,
                 "rng": _rng_states(),
                 "layers": layer_impl(policy.layout),
                 "trainer": trainer_state,
-            },
-            tmp / "state" / f"rank{rank:05d}.pt",
-        )
-        dist.barrier()
-        if rank == 0:
+            }
+            torch.save(state, rank_state_file(tmp, rank))
+            progress.point("save")
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch DCP's is a BaseException
+            full = _out_of_space(e, tmp if tmp.exists() else self.root)
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written step_N.tmp is never taken, so never kept either
+            if not full:
+                raise
+            complete = self.complete()
+            need = _tree_bytes(complete[-1]) if complete else _state_bytes(sharded) * policy.layout.world_size
+            free = shutil.disk_usage(self.root).free
+            raise CheckpointSpaceError(
+                f"checkpoint of step {step}: no space left on the device of {self.root} (a checkpoint of this run "
+                f"needs about {need / 2**20:.0f} MiB; {free / 2**20:.0f} MiB are free with the partial one removed); "
+                f"the newest complete checkpoint is {complete[-1].name if complete else 'none'}: free space or move "
+                "trainer.run_dir, then resume"
+            ) from None
+
+    def _complete(self, policy, tmp: Path, final: Path) -> None:
+        """Rank 0 marks tmp complete, renames it to final and points `latest` at it; every rank waits for that."""
+        if policy.layout.rank == 0:
             (tmp / COMPLETE).write_text(f"{policy.layout.world_size}\n")
             if final.exists():
                 shutil.rmtree(final)
@@ -229,8 +308,8 @@ class CheckpointManager:
             latest_tmp.write_text(final.name + "\n")
             os.replace(latest_tmp, self.root / LATEST)  # last: a reader never sees a pointer to a partial save
             self._prune()
-        dist.barrier()
-        return final
+        with progress.waiting("rank 0 (a checkpoint's rename)"):
+            dist.barrier()
 
     def _prune(self) -> None:
         complete = self.complete()
@@ -253,7 +332,7 @@ class CheckpointManager:
         rank = dist.get_rank() if dist.is_initialized() else 0
         for ckpt in self.candidates():
             try:
-                return torch.load(ckpt / "state" / f"rank{rank:05d}.pt", weights_only=False)["trainer"]
+                return read_rank_state(rank_state_file(ckpt, rank))["trainer"]
             except Exception:  # noqa: BLE001 - unreadable: load() will fall back past it, and so do we
                 continue
         return None
@@ -275,8 +354,8 @@ class CheckpointManager:
         for ckpt in tried:
             try:
                 state = self._load_one(policy, ckpt)
-            except CheckpointMismatch:
-                raise  # every older checkpoint of the run was saved the same way
+            except (CheckpointMismatch, UnsafeCheckpoint):
+                raise  # every older checkpoint of the run was saved the same way; one naming code was put there
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - (a BaseException) try the previous one
                 failures.append(f"{ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 log.warning("checkpoint %s is not usable (%s); trying the previous one", ckpt, failures[-1])
@@ -292,14 +371,14 @@ class CheckpointManager:
         if not (ckpt / COMPLETE).is_file():
             raise CheckpointError(f"{ckpt} is incomplete (no {COMPLETE} marker)")
         layout = policy.layout
-        rank_file = ckpt / "state" / f"rank{layout.rank:05d}.pt"
+        rank_file = rank_state_file(ckpt, layout.rank)
         saved_world = int((ckpt / COMPLETE).read_text().strip() or 0)
         if saved_world != layout.world_size or not rank_file.is_file():
             raise CheckpointError(
                 f"{ckpt} was saved by {saved_world} ranks, this run has {layout.world_size}: "
                 "convert it (tools/convert_megatron_to_hf.py) to change the layout"
             )
-        state = torch.load(rank_file, weights_only=False)
+        state = read_rank_state(rank_file)
         check_layer_impl(state.get("layers"), layout, ckpt)
         _ensure_optimizer_state(policy.optimizer)
         model_sd, sharded = _sharded_state(policy, is_loading=True)

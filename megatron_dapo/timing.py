@@ -6,9 +6,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron_dapo import progress
+
 
 class PhaseTimer:
-    """`with timer.phase("train"): ...` adds the block's seconds to timer.seconds["train"].
+    """`with timer.phase("train"): ...` adds the block's seconds to timer.seconds["train"], and is this process's
+    phase for the stall watchdog (progress.py) meanwhile.
 
     elapsed(): seconds since the timer was made, so time between phases still counts toward the step.
     """
@@ -21,7 +24,8 @@ class PhaseTimer:
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
-            yield
+            with progress.phase(name):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 

@@ -5,11 +5,12 @@ One process of a run: a colocated rank, or (pipeline.mode=async) the side DAPO_R
 
 Runs trainer.total_steps rollout steps, printing one progress line per step and writing every
 metric to run_dir/metrics.jsonl, TensorBoard and (when trainer.wandb_project is set) Weights &
-Biases. Checkpoints every trainer.save_every steps and at the end. SIGTERM or SIGUSR1 (Slurm's
+Biases. Checkpoints every trainer.save_every steps and at the end. Ctrl-C (SIGINT), SIGTERM or SIGUSR1 (Slurm's
 warning before a time limit or preemption) finish the current step, save a checkpoint and exit 0;
 the next run resumes from it; a signal during start-up, or a second one, exits at once (status 1). A
-user's mistake (config, data, model, checkpoints) is one `error:` line and status 1 (--debug: the
-traceback). Reaching total_steps writes run_dir/FINISHED (the step), so a
+user's mistake (config, data, model, checkpoints, a run directory holding another run) is one `error:` line and
+status 1 (--debug: the traceback). A stall (launch/watchdog.py) is one line naming the process that stopped, every
+process's stacks under run_dir/logs, and status 75. Reaching total_steps writes run_dir/FINISHED (the step), so a
 batch script can tell "stopped to be requeued" from "done".
 """
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_dapo import progress
 from megatron_dapo.cli import (  # light: torch must not load before the log settings
     argument_parser,
     quiet_libraries,
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from megatron_dapo.config import Config
 
 log = logging.getLogger("megatron_dapo.train")
+DROPPED_METRICS = "metrics.dropped.jsonl"
+"""Where metrics.jsonl's lines of steps a resumed run takes again go (never deleted)."""
 
 
 class MetricSinks:
@@ -64,19 +68,25 @@ class MetricSinks:
             self.wandb = wandb.init(project=cfg.trainer.wandb_project, dir=str(self.run_dir), config=_plain(cfg))
 
     def _truncate(self, resumed_step: int) -> None:
+        """Lines of steps after resumed_step move to metrics.dropped.jsonl (appended: what the interrupted run
+        logged of steps the resumed run takes again)."""
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
         lines = path.read_text().splitlines(keepends=True)
         kept = [x for x in lines if x.strip() and json.loads(x)["step"] <= resumed_step]
         if len(kept) != len(lines):
+            dropped = [x for x in lines if x.strip() and json.loads(x)["step"] > resumed_step]
+            with open(self.run_dir / DROPPED_METRICS, "a") as f:
+                f.write("".join(x if x.endswith("\n") else x + "\n" for x in dropped))
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))
             tmp.replace(path)  # atomic: a crash here leaves the old file or the new one, never half of one
             log.info(
-                "metrics.jsonl: dropped %d lines of steps after the resumed step %d",
-                len(lines) - len(kept),
+                "metrics.jsonl: dropped %d lines of steps after the resumed step %d (kept in %s)",
+                len(dropped),
                 resumed_step,
+                DROPPED_METRICS,
             )
 
     def write(self, metrics: dict[str, float]) -> None:
@@ -106,15 +116,17 @@ def _plain(cfg: Config) -> dict[str, Any]:
 
 
 class StopSignals:
-    """SIGTERM/SIGUSR1: during a step, finish it, save and exit 0; at start-up or a second time, leave now.
+    """Ctrl-C (SIGINT), SIGTERM, SIGUSR1: during a step, finish it, save and exit 0; at start-up or a second time,
+    leave now with one line.
 
     Leaving raises SystemExit in the main thread, so every `finally` closes the reward workers, the engine
-    and the process groups; the reward pool also kills its workers at interpreter exit. The same signal again
-    within DUPLICATE_S seconds is the same request delivered twice, not a second one: under Slurm, slurmstepd
-    signals every process of the step and torchrun forwards the signal to its workers as well.
+    and the process groups; the reward pool also kills its workers at interpreter exit. The same SIGTERM or SIGUSR1
+    again within DUPLICATE_S seconds is the same request delivered twice, not a second one: under Slurm, slurmstepd
+    signals every process of the step and torchrun forwards the signal to its workers as well. A second Ctrl-C is a
+    person's: it always counts.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     DUPLICATE_S = 5.0
 
     def __init__(self) -> None:
@@ -127,7 +139,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
-        if name == self.name and now - self.at < self.DUPLICATE_S:
+        if name == self.name and now - self.at < self.DUPLICATE_S and signum != signal.SIGINT:
             return
         again = self.name is not None
         if not again:
@@ -180,26 +192,40 @@ def progress_line(m: dict[str, Any]) -> str:
 
 def train(config: str | None, overrides: list[str]) -> int | None:
     from megatron_dapo.config import load_config
+    from megatron_dapo.launch.run_dir import check_run_dir
+    from megatron_dapo.launch.watchdog import start_watchdog
     from megatron_dapo.pipeline.transport import process_role
 
     cfg = load_config(config, overrides)
-    if process_role(cfg) == "rollout":  # DAPO_ROLE, set by the launchers (launch/): the asynchronous rollout side
+    role, rank = process_role(cfg), os.environ.get("RANK", "0")
+    t = cfg.trainer
+    if role == "rollout":  # DAPO_ROLE, set by the launchers (launch/): the asynchronous rollout side
         from megatron_dapo.pipeline.controller import run_rollout
 
         for sig in StopSignals.SIGNALS:  # stop signals are the train side's: it saves, then stops the controller
             signal.signal(sig, signal.SIG_IGN)
-        run_rollout(cfg)
+        watchdog = start_watchdog(t.run_dir, f"rollout {rank}", t.stall_timeout_s, t.collective_timeout_s)
+        try:
+            run_rollout(cfg)
+        finally:
+            watchdog.stop()
         return None
+    check_run_dir(cfg, mover=rank == "0")  # before anything is written
     stop = StopSignals()
     lock = None
-    if os.environ.get("RANK", "0") == "0":  # the writer of checkpoints and metrics: one per run directory
+    if rank == "0":  # the writer of checkpoints and metrics: one per run directory
         from megatron_dapo.launch.writer_lock import WriterLock
 
         lock = WriterLock.acquire(cfg.trainer.run_dir, log=log.warning)
-        log.info("starting: config %s, run directory %s", config or "(defaults)", cfg.trainer.run_dir)
+        log.info("starting: config %s, run directory %s", config or "(defaults)", t.run_dir)
+    label = f"train {rank}" if role == "train" else f"rank {rank}"
+    watchdog = None
     try:
+        watchdog = start_watchdog(t.run_dir, label, t.stall_timeout_s, t.collective_timeout_s)
         return _train(cfg, stop)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if lock is not None:
             lock.release()
 
@@ -220,7 +246,8 @@ def _train(cfg: Config, stop: StopSignals) -> None:
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
             if trainer.eval_due():
-                metrics.update(trainer.evaluate_from_config())
+                with progress.phase("evaluate"):
+                    metrics.update(trainer.evaluate_from_config())
             # wall time since this process's first step began, its evaluations included (time to an accuracy)
             metrics["timing/elapsed"] = time.perf_counter() - t_start
             if rank0:
@@ -228,7 +255,8 @@ def _train(cfg: Config, stop: StopSignals) -> None:
             sinks.write(metrics)
             # stop together: a signal that reached only some ranks must not leave the others waiting
             flag = torch.tensor([1.0 if stop.name else 0.0], device=trainer.layout.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with progress.waiting("the other ranks (whether a stop signal came)"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stop.running = False  # saving: a second signal leaves at once
                 path = trainer.save()

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.algorithm import (
     MISMATCH_KEYS,
     group_advantages,
@@ -152,7 +153,7 @@ class Trainer:
         from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, SafetensorsReader
         from megatron_dapo.data.datasets import PromptDataset
         from megatron_dapo.model.arch import ModelArch
-        from megatron_dapo.model.parallel import init_parallel
+        from megatron_dapo.model.parallel import arm_group_timeouts, init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.model.provider import weights_digest
         from megatron_dapo.pipeline.rollout import make_rollout
@@ -166,7 +167,8 @@ class Trainer:
         self.arch = ModelArch.from_hf_dir(hf)
         self.replay = cfg.model.router_replay if self.arch.is_moe else "none"
         """model.router_replay for this model: 'none' for a dense one."""
-        self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed)
+        timeout_s = cfg.trainer.collective_timeout_s
+        self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed, timeout_s)
         check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         weights = LazyMegatronWeights(SafetensorsReader(hf), self.arch)
@@ -175,7 +177,9 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:  # KL's reference: the starting weights, frozen, sharded like the policy
             self.reference = MegatronPolicy(cfg, self.arch, self.layout, weights, frozen=True)
             self.reference_digest = weights_digest(weights, self.layout)  # checked when a checkpoint is resumed
-        self.bridge = WeightBridge(self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes)
+        self.bridge = WeightBridge(
+            self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest
+        )
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         if cfg.trainer.resume and self.reference_digest is not None:  # refuse before the engines start
             self._check_reference(self.checkpoints.peek_trainer_state())
@@ -190,6 +194,7 @@ class Trainer:
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
         self.rollout = make_rollout(cfg, self.tokenizer, self.dataset, self.comm)
+        arm_group_timeouts(timeout_s)  # the last groups are the engine's (vLLM makes them with torch's default)
         self.step = 0
         self.gen_rounds = 0
         self.nan_in_a_row = 0
@@ -261,6 +266,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One rollout step; returns its metrics (the whole step's, on every rank)."""
         cfg, a, timer = self.cfg, self.cfg.algorithm, PhaseTimer()
+        progress.set_phase("step", step=self.step + 1)  # the stall watchdog's; the timer's phases are inside it
         with timer.phase("generate"):
             batch = self.rollout.next_batch()
             self.gen_rounds += int(batch.stats["sampler/gen_rounds"])

@@ -37,5 +37,10 @@ cmd=("$torchrun" "--rdzv-conf=is_host=$((SLURM_NODEID == 0)),read_timeout=300"
 if ((print)); then
     quote "${cmd[@]}"
 else
+    # beside torchrun, until it ends: a process of this node that stops running is woken for its stacks and killed
+    # (megatron_dapo/launch/watchdog.py; a process that still runs finds the stall itself)
+    if [[ -n ${DAPO_LOG_DIR:-} ]]; then
+        "$(dirname "$torchrun")/python" -m megatron_dapo.launch.watchdog --node "$DAPO_LOG_DIR" &
+    fi
     exec "${cmd[@]}"
 fi

@@ -65,6 +65,8 @@
 #      and checkpoints/latest moved during this job -> `scontrol requeue`: the job goes back to the
 #      queue under the same id and the next attempt resumes from latest (it passes trainer.resume=true).
 #      SIGUSR1 but no new checkpoint -> exit 1, no requeue (another attempt could make no more progress).
+#      A stall (the run's watchdog found a process that stopped making progress; LOG_DIR/JOB_ID/attempt_N/
+#      stall.json) -> requeued from latest up to trainer.stall_requeues times in this job, then exit 75.
 #      No stop signal -> a failure: exit non-zero, never requeued.
 #   Lead time: 40 min must cover the rest of the step in flight plus the save. tools/estimate_step_time.py
 #   with assumed H100 rates gives 6-11 min per step at mean response lengths of 1k-5k tokens; a step
@@ -81,7 +83,8 @@
 #
 # Logs: RUN_DIR/logs/JOB_ID/attempt_N/ (N = SLURM_RESTART_COUNT): batch.log (this script's
 # decisions), nodeK.log (node K's output, ranks prefixed [defaultL]:), torchrun/nodeK/ (per-rank
-# files; ROLLOUT_NODES > 0: rollout_ and train_ before each). Progress: RUN_DIR/metrics.jsonl and
+# files; ROLLOUT_NODES > 0: rollout_ and train_ before each), progress/ and stacks/ (every process's
+# place and, after a stall, its stacks; stacks.txt all of them). Progress: RUN_DIR/metrics.jsonl and
 # TensorBoard in RUN_DIR/tensorboard.
 set -euo pipefail
 
@@ -158,6 +161,7 @@ node_addr() { # NAME: the address Slurm reaches node NAME at (its NodeAddr; the 
 }
 
 job_log=$LOG_DIR/$SLURM_JOB_ID/attempt_${SLURM_RESTART_COUNT:-0}
+export DAPO_LOG_DIR=$job_log # every process's progress record and stacks (megatron_dapo/launch/watchdog.py)
 train=(-m megatron_dapo.train --config "$CONFIG" "trainer.run_dir=$RUN_DIR" "model.hf_path=$MODEL_PATH"
     "data.train_files=[$DATA_PATH]" "${validation[@]}" "$@")
 # a requeued attempt continues the run it saved, whatever the config says (examples/tiny_cpu.yaml does not resume)
@@ -291,6 +295,25 @@ if [[ -f $RUN_DIR/FINISHED ]]; then
     exit 0
 fi
 latest_now=$(latest)
+if [[ -f $job_log/stall.json ]]; then # the run's watchdog ended it: requeue from latest, up to the config's limit
+    line=$("$VENV/bin/python" -m megatron_dapo.launch.watchdog --collect "$job_log") || line="see $job_log"
+    count_file=$LOG_DIR/$SLURM_JOB_ID/stall_requeues
+    stalls=$(cat "$count_file" 2>/dev/null || echo 0)
+    limit=$("$VENV/bin/python" -c 'import sys; from megatron_dapo.config import load_config
+print(load_config(sys.argv[1], sys.argv[2:]).trainer.stall_requeues)' "$CONFIG" "$@") || limit=0
+    if ((stalls < limit)); then
+        echo $((stalls + 1)) >"$count_file"
+        log "the run stalled ($line): requeue $((stalls + 1)) of trainer.stall_requeues=$limit, from" \
+            "${latest_now:-the start}"
+        if ! scontrol requeue "$SLURM_JOB_ID"; then
+            log "scontrol requeue $SLURM_JOB_ID failed: resubmit by hand, the run resumes from ${latest_now:-the start}"
+            exit 75
+        fi
+        exit 0
+    fi
+    log "the run stalled ($line); no requeue left (trainer.stall_requeues=$limit): see $job_log/stacks.txt"
+    exit 75
+fi
 case $stop_signal in
     USR1 | USR2)
         if [[ $latest_now == "$latest_before" ]]; then

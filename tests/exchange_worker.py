@@ -3,7 +3,8 @@ every case; each rank writes OUT_DIR/rank{r}.json, {case: what it saw}. exchange
 responses, write what arrived. agreement: two dynamic-sampling loaders (a scripted engine per rank, one reward pool
 each) take two steps with the same seed on both ranks, then with a different seed on rank 1; write the groups each
 step trained and the error each raised. free_steps: loaders whose engines run at different speeds, with and without
-sampler.lockstep."""
+sampler.lockstep. crafted: the project's records gathered on rank 0, then rank 1 sends rank 0 a pickle that would
+run a command (leaving OUT_DIR/ran): what rank 0's Comm.broadcast_object said."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 
 import torch.distributed as dist
+from run_helpers import RunsCode
 from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
 from megatron_dapo.reward import RewardPool
@@ -143,10 +145,32 @@ def free_steps(comm: Comm) -> dict:
     return out
 
 
+def crafted(comm: Comm, out_dir: str) -> dict:
+    import pickle
+
+    import torch
+
+    from megatron_dapo.model.collectives import broadcast_bytes
+    from megatron_dapo.safe_pickle import RefusedPickle
+
+    gathered = comm.gather_objects([meta(comm.rank)], dst=0)
+    data = pickle.dumps([RunsCode(f"{out_dir}/ran")]) if comm.rank == 1 else None
+    error = None
+    if comm.rank == 1:  # what an attacker on the network sends: bytes, as Comm sends objects
+        broadcast_bytes(data, True, lambda t: dist.broadcast(t, src=1), torch.device("cpu"))
+    else:
+        try:
+            comm.broadcast_object(None, src=1)
+        except RefusedPickle as e:
+            error = str(e)
+    return {"gathered": gathered and [[m.to_dict() for m in part] for part in gathered], "error": error}
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     comm = Comm(dist.get_rank(), dist.get_world_size())
     result = {case.__name__: case(comm) for case in (exchange, agreement, free_steps)}
+    result["crafted"] = crafted(comm, out_dir)
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

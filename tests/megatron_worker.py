@@ -316,6 +316,59 @@ def finish(policy, last: bool) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _unsafe_and_full(policy, manager, layout, out: str) -> dict:
+    """A state file that names code to run, put into the newest complete checkpoint: load refuses it without
+    falling back to an older one, running nothing. Then (one process, as root) saves into a tmpfs with room for two
+    checkpoints: the third fails with one line naming the path and the space needed, its step_N.tmp removed."""
+    import subprocess
+    import tempfile
+
+    import torch.distributed as dist
+    from run_helpers import RunsCode
+
+    from megatron_dapo.checkpoint import CheckpointManager, CheckpointSpaceError
+    from megatron_dapo.convert.resolve import UnsafeCheckpoint, rank_state_file
+
+    mark = os.path.join(out, "ran")
+    crafted = CheckpointManager(os.path.join(out, "crafted"), keep_last=3)
+    crafted.save(policy, 1, {})
+    crafted.save(policy, 2, {})
+    dist.barrier()  # every rank's own file (each reads its own before anything collective)
+    torch.save({"step": 2, "trainer": RunsCode(mark)}, rank_state_file(crafted.root / "step_00000002", layout.rank))
+    dist.barrier()
+    try:
+        crafted.load(policy)
+        unsafe = None
+    except UnsafeCheckpoint as e:
+        unsafe = str(e)
+    got = {"unsafe": unsafe, "ran": os.path.exists(mark)}
+    if layout.world_size > 1 or os.geteuid() != 0:
+        return got
+    size = sum(f.stat().st_size for f in (crafted.root / "step_00000001").rglob("*") if f.is_file())
+    mount = tempfile.mkdtemp(dir=out)
+    room = -(-int(size * 2.5) // 4096) * 4096  # two checkpoints, not three
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", mount]).returncode != 0:
+        return got  # no mount here (a container without the right): the test says so
+    try:
+        full = CheckpointManager(os.path.join(mount, "run", "checkpoints"), keep_last=3)
+        error = None
+        for step in (1, 2, 3):
+            try:
+                full.save(policy, step, {})
+            except CheckpointSpaceError as e:
+                error = str(e)
+                break
+        got["full"] = {
+            "error": error,
+            "root": str(full.root),
+            "left": sorted(p.name for p in full.root.iterdir()),
+            "latest": (full.root / "latest").read_text().strip(),
+        }
+    finally:
+        subprocess.run(["umount", mount])
+    return got
+
+
 def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     import random
 
@@ -377,9 +430,10 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     # saved under the other layer spec (Transformer Engine's): refused at once, without falling back past it to an
     # older checkpoint (they were all saved the same way); step 2 is the damaged one above, so load reaches step 1
     from megatron_dapo.checkpoint import CheckpointMismatch
+    from megatron_dapo.convert.resolve import read_rank_state
 
     rank_file = manager.root / "step_00000001" / "state" / f"rank{layout.rank:05d}.pt"
-    saved = torch.load(rank_file, weights_only=False)
+    saved = read_rank_state(rank_file)
     layers_saved = dict(saved["layers"])
     saved["layers"]["transformer_impl"] = "transformer_engine"
     torch.save(saved, rank_file)
@@ -390,6 +444,7 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     except CheckpointMismatch as e:
         refusal = str(e)
     return {
+        **_unsafe_and_full(policy, manager, layout, out),
         "layers_saved": layers_saved,
         "refusal": refusal,
         "first": first,
@@ -424,7 +479,7 @@ class _Collector:
         self.keep, self.tensors, self.bucket_bytes = keep, {}, []
         self.weight_format = weight_format  # what an FP8 engine would ask the bridge for
 
-    def update_weights(self, bucket) -> None:
+    def update_weights(self, bucket, digest=None) -> None:
         self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in bucket))
         for name, t in bucket:
             self.tensors[name] = t.clone() if self.keep else t.shape
@@ -512,7 +567,22 @@ def vllm_sync(policy, samples, cfg, arch, layout, model_dir: str) -> dict:
         for r in group
     ]
     megatron = policy.compute_logprobs(scored, 1.0)
+    # a sync whose second bucket is damaged after its digest was taken (DAPO_FAULT's corrupt, on every rank): the
+    # engine refuses it before loading anything and generates as before
+    from megatron_dapo.progress import FAULT_ENV
+
+    os.environ[FAULT_ENV] = "corrupt:sync:9:1"
+    try:
+        bridge.sync(engine, 9)
+        damaged = None
+    except RuntimeError as e:
+        damaged = str(e)
+    finally:
+        del os.environ[FAULT_ENV]
+    kept = engine.generate(**greedy)
     return {
+        "damaged": damaged,
+        "kept": [[r.token_ids for r in g] for g in kept],
         "before": [[r.token_ids for r in g] for g in before],
         "after": [[r.token_ids for r in g] for g in after],
         "vllm_logp": [torch.tensor(r.logprobs) for g in after + drawn for r in g],

@@ -4,8 +4,10 @@ tests/ray_helpers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -95,3 +97,64 @@ def session_survivors(sid: int) -> dict[int, str]:
         except (ProcessLookupError, PermissionError):
             continue
     return left
+
+
+def tagged(tag: str) -> dict[int, str]:
+    """{pid: command line} of every running process (not a zombie) that carries the run's tag (DAPO_RUN_TAG: every
+    process of a launch, orphans adopted by init included)."""
+    from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
+
+    entry = f"{RUN_TAG_ENV}={tag}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+    return found
+
+
+def stopped(tag: str) -> list[int]:
+    """The processes of the run tagged `tag` that are stopped (SIGSTOP: /proc/<pid>/stat's state T)."""
+    out = []
+    for pid in tagged(tag):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] == "T":
+            out.append(pid)
+    return out
+
+
+def stalled_and_gone(proc: subprocess.Popen, tag: str, timeout: float) -> tuple[str, str, float]:
+    """Once a process of the run tagged `tag` is stopped: proc's (stdout, stderr) when it has exited, the seconds from
+    the stop to its exit; nothing of the run left running 10 s after (whatever fails, nothing is left)."""
+    try:
+        wait_until(lambda: stopped(tag), timeout=timeout, what="a process of the run stopped", proc=proc)
+        at = time.monotonic()
+        out, err = proc.communicate(timeout=timeout)
+        took = time.monotonic() - at
+        wait_until(lambda: not tagged(tag), timeout=10, what="nothing of the run left")
+        return out, err, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+class RunsCode:
+    """What a crafted pickle or checkpoint does: name a function to call on load (here, one that leaves a mark, the
+    file `mark`, which the tests check was never made)."""
+
+    def __init__(self, mark: Path | str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))

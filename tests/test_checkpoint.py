@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_helpers import Job, random_batch, result, save_case, tiny_hf_model
+from run_helpers import RunsCode
 
 # dp2 in bf16, the GPU configs' precision: the distributed optimizer's checkpoint of a bf16 model (fp32 main
 # params and Adam moments beside bf16 weights)
@@ -62,6 +63,24 @@ def test_resume_reproduces_the_next_step_and_falls_back_from_a_damaged_checkpoin
         "\n" not in got["refusal"]
         and "step_00000001 was saved with model.transformer_impl='transformer_engine'" in got["refusal"]
     )
+    # a state file naming code to run (put in the newest checkpoint): refused in one line, not fallen back past
+    assert "/crafted/step_00000002/state/rank0000" in got["unsafe"]
+    assert ".pt: refused to load: it names posix.system to run" in got["unsafe"]
+    assert "\n" not in got["unsafe"] and not got["ran"]
+
+
+@pytest.mark.slow  # the resume job's
+def test_a_full_disk_at_save_is_one_line_naming_the_path_and_leaves_no_partial_folder(ran):
+    """Saves into a tmpfs with room for two checkpoints: the third fails with one line saying what happened (no space
+    left, on which path, how much a checkpoint needs), its step_N.tmp removed, `latest` on the second."""
+    full = result(ran, "single").get("full")
+    if full is None:
+        pytest.skip("mounting a tmpfs needs root (and a container that allows it)")
+    root = full["root"]
+    assert full["error"].startswith(f"checkpoint of step 3: no space left on the device of {root} (a checkpoint of ")
+    assert "MiB; " in full["error"] and "the newest complete checkpoint is step_00000002" in full["error"]
+    assert "\n" not in full["error"]
+    assert full["left"] == ["latest", "step_00000001", "step_00000002"] and full["latest"] == "step_00000002"
 
 
 def _layout(use_te: bool, attention: str):
@@ -90,3 +109,40 @@ def test_a_checkpoint_of_the_other_layer_spec_is_refused_and_another_attention_w
     with caplog.at_level("WARNING", logger="megatron_dapo.checkpoint"):
         check_layer_impl(local, _layout(False, "unfused"), tmp_path)
     assert "trained with attention 'sdpa', this run uses 'unfused'" in caplog.text
+
+
+def test_a_rank_state_reads_back_and_one_that_would_run_code_is_refused_not_run(tmp_path):
+    """The checkpoint's door: what a rank's state file holds (torch's and Megatron's RNG tensors, numpy's and
+    Python's RNG states, the loader's state with its numpy record and the scheduler's records) reads back through the
+    weights-only unpickler; a file naming os.system is refused in one line naming the file and it, the mark it
+    would leave never made."""
+    import random
+
+    import numpy as np
+
+    from megatron_dapo.convert.resolve import UnsafeCheckpoint, read_rank_state
+    from megatron_dapo.sampling.records import GroupMeta
+
+    meta = GroupMeta(key=3, index=1, engine=0, version=2, lengths=[4], acc=[True], scores=[1.0], rewards=[1.0],
+                     truncated=[False], informative=False, version_tokens=[4])  # fmt: skip
+    state = {
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "megatron_tracker": {"model-parallel-rng": torch.get_rng_state()},
+        },  # fmt: skip
+        "scheduler": {"num_steps": 3, "max_lr": 1e-3},
+        "trainer": {"loader": {"memory": {"visits": np.arange(5, dtype=np.int64), "explore": 0.25}}, "meta": meta},
+    }
+    torch.save(state, tmp_path / "rank00000.pt")
+    got = read_rank_state(tmp_path / "rank00000.pt")
+    assert torch.equal(got["rng"]["torch"], state["rng"]["torch"]) and got["rng"]["python"] == random.getstate()
+    assert all(np.array_equal(a, b) for a, b in zip(got["rng"]["numpy"][1:2], state["rng"]["numpy"][1:2]))
+    assert np.array_equal(got["trainer"]["loader"]["memory"]["visits"], np.arange(5)) and got["trainer"]["meta"] == meta
+    mark = tmp_path / "ran"
+    torch.save({"step": 1, "trainer": RunsCode(mark)}, tmp_path / "rank00001.pt")
+    with pytest.raises(UnsafeCheckpoint) as refused:
+        read_rank_state(tmp_path / "rank00001.pt")
+    assert str(refused.value).startswith(f"{tmp_path / 'rank00001.pt'}: refused to load: it names posix.system to run")
+    assert "\n" not in str(refused.value) and not mark.exists()

@@ -46,11 +46,14 @@ def correct_first(num_correct, length=lambda p, j: 5):
 
 
 def torch_round_trip(state):
-    """Through torch.save / torch.load, as checkpoint.py writes a rank's state (plain containers, numpy arrays)."""
+    """Through torch.save and the restricted reader, as checkpoint.py writes and reads a rank's state (plain
+    containers, numpy arrays)."""
+    from megatron_dapo.convert.resolve import read_rank_state
+
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    return torch.load(buf, weights_only=False)
+    return read_rank_state(buf)
 
 
 def same_state(x, y) -> bool:

@@ -37,7 +37,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
         [*cmd, str(HERE / "exchange_worker.py"), str(out)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [{**json.loads((out / f"rank{r}.json").read_text()), "out": out} for r in range(2)]
 
 
 def test_two_ranks_gather_summaries_and_deliver_only_what_each_trains(two_ranks):
@@ -90,3 +90,16 @@ def test_without_lockstep_a_fast_engine_generates_on_instead_of_waiting_at_the_t
     assert sum(free[0]["free"]) > 0 and free[0]["engine_steps"] > free[1]["engine_steps"]  # the fast one stepped on
     assert lockstep[0]["free"] == [None, None] and lockstep[0]["engine_steps"] == lockstep[1]["engine_steps"]
     assert sum(tp2[0]["free"]) > 0 and tp2[0]["engine_steps"] == tp2[1]["engine_steps"]
+
+
+def test_an_object_from_another_rank_that_would_run_code_is_refused_not_run(two_ranks):
+    """The exchange's door (Comm.broadcast_object, gather_objects: the rollout side's batches, the controller's plans):
+    records come through; a pickle naming os.system is refused on the rank that reads it, naming it, and the file
+    it would have made does not exist."""
+    gathered, error = two_ranks[0]["crafted"]["gathered"], two_ranks[0]["crafted"]["error"]
+    assert gathered == [[meta(0).to_dict()], [meta(1).to_dict()]] and two_ranks[1]["crafted"]["gathered"] is None
+    assert error == (
+        "an object broadcast by rank 1: refused to unpickle posix.system: only plain containers, numpy arrays, "
+        "tensors and megatron-dapo's own records are read (megatron_dapo/safe_pickle.py ALLOWED); nothing was run"
+    )
+    assert not (two_ranks[0]["out"] / "ran").exists()

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,11 +202,12 @@ def ray_cluster():
     assert stop_cluster(cluster) == [], "Ray processes outlived their `ray start` and had to be killed"
 
 
-def _launch_ray(cluster, out: Path, *args: str) -> subprocess.Popen:
-    """`python -m megatron_dapo.launch ray` on the cluster, its output to the file out (a pipe nobody reads while it
-    runs would fill and stop it), in a session of its own."""
+def _launch_ray(cluster, out: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`python -m megatron_dapo.launch ray` on the cluster (env added to the driver's environment, which it passes on
+    to the workers), its output to the file out (a pipe nobody reads while it runs would fill and stop it), in a
+    session of its own."""
     cmd = [sys.executable, "-m", "megatron_dapo.launch", "ray", "--address", cluster.address, *args]
-    return subprocess.Popen(cmd, env=cluster.env, stdout=out.open("w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, env={**cluster.env, **env}, stdout=out.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
 
 
@@ -235,20 +237,33 @@ def _ray_finished(proc: subprocess.Popen, out: Path, run: Path, timeout: float =
     return out.read_text()
 
 
+def _stopped(pid) -> bool:
+    """pid is a stopped process (SIGSTOP: /proc/<pid>/stat's state T); False for None."""
+    if pid is None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] == "T"
+
+
 def _worker_nodes(text: str) -> list[tuple[str, str]]:
     """(label, Ray node id) of each worker's first line, in the order printed."""
     return re.findall(r"^\[([a-z]+ \d+)\] worker [a-z]+ \d+: Ray node ([0-9a-f]+) ", text, re.M)
 
 
 @pytest.mark.slow
-def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_and_matches_the_one_process_run(
+def test_ray_dp2_across_two_nodes_restarts_a_stalled_run_and_matches_the_one_process_run(
     ray_cluster, two_steps, tmp_path
 ):
     """`launch ray --nodes 2 --gpus-per-node 1`: one worker on each Ray node (one placement group, a bundle per node),
-    DP = 2 with two vLLM engines, fed groups on demand by the scheduler. Rank 1's trainer is killed (SIGKILL) once
-    step 1 is saved: the launcher says why, stops rank 0 and starts both again from step 1 (a resume is bit for bit:
-    tests/test_checkpoint.py), and the finished run is two_steps' one-process run step for step, held-out evaluation
-    included.
+    DP = 2 with two vLLM engines, fed groups on demand by the scheduler. Small deadlines from the config (stall 15 s,
+    collectives 60 s). Rank 1's trainer stops itself (DAPO_FAULT, SIGSTOP) inside step 2's train step (its second
+    micro-batch), after step 1 is saved: rank 0's watchdog names it (phase, rank, host) and the run ends within the
+    deadline plus 30 s, rank 1's stack written (woken for it) and collected; the launcher says why, stops every
+    worker and starts both again from step 1 (a resume is bit for bit: tests/test_checkpoint.py; the fault fires once
+    per run), and the finished run is two_steps' one-process run step for step, held-out evaluation included.
 
     Groups are seeded by their submission number and stream mode trains the first informative groups in submission
     order, so the trained samples do not depend on the number of engines; without dynamic sampling nothing is
@@ -258,22 +273,33 @@ def test_ray_dp2_across_two_nodes_restarts_a_killed_worker_and_matches_the_one_p
     halves, so the sums are associated differently, and step 2 then starts from weights that differ in the last
     bits. (`launch local`'s torchrun at DP = 2 is tests/test_sampler_runs.py's two-engine run.)
     """
+    from megatron_dapo.launch.watchdog import HOST
+
     overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
     args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, "--max-restarts", "1"]
-    proc = _launch_ray(ray_cluster, out, *args, *overrides, f"trainer.run_dir={run}")
-    wait_until((run / "checkpoints" / "step_00000001" / "COMPLETE").is_file, what="step 1's checkpoint", proc=proc)
-    os.kill(_trainers(run)["1"], signal.SIGKILL)
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
+    stop = {"DAPO_FAULT": "stop:micro_batch:2:1@rank1"}
+    proc = _launch_ray(ray_cluster, out, *args, *overrides, *small, f"trainer.run_dir={run}", **stop)
+    wait_until(lambda: _stopped(_trainers(run).get("1")), what="rank 1 stopped", proc=proc)
+    stopped_at = time.monotonic()
+    wait_until(lambda: "[launch] restart 1 of 1: " in out.read_text(), what="the restart", proc=proc)
+    assert time.monotonic() - stopped_at < 15 + 30
     text = _ray_finished(proc, out, run)
     assert proc.returncode == 0, text[-4000:]
     nodes = _worker_nodes(text)
     assert [label for label, _ in nodes] == ["rank 0", "rank 1"] * 2  # two attempts
     assert len({node for _, node in nodes[:2]}) == 2, nodes  # one worker on each node
     why = (
-        rf"^\[launch\] restart 1 of 1: rank 1 on Ray node [0-9a-f]{{12}} \([0-9.]+\) was killed by SIGKILL; "
-        rf"every worker was stopped, starting again from the newest checkpoint in {re.escape(str(run))}/checkpoints$"
+        rf"^\[launch\] restart 1 of 1: rank [01] on Ray node [0-9a-f]{{12}} \([0-9.]+\) stalled \(the stall's line "
+        rf"and stacks follow\); every worker was stopped, starting again from the newest checkpoint in "
+        rf"{re.escape(str(run))}/checkpoints$"
     )
     assert re.search(why, text, re.M), text[-4000:]
+    stall = rf"^\[launch\] error: stall: rank 1 \(host {HOST}, pid \d+\) made no progress for \d+ s in phase train of step 2"
+    assert re.search(stall, text, re.M), text[-4000:]
+    collected = (run / "logs").glob("*/attempt_0/stacks.txt")
+    assert any(" in fault\n" in c.read_text() and " in forward_step\n" in c.read_text() for c in collected)
     assert "resumed from step 1" in text and text.count("[rank 0] step 2 | reward") == 1
     assert "[rank 1] step " not in text  # rank 0 alone reports
     assert all(m["sampler/bytes_moved"] == 0 for m in metrics(ref_run))

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = (
     # leaves: the config tree, records, the policy loss's result type, the command line
-    ("base", {"choices", "cli", "config", "types", "timing", "loss_result"}),
+    ("base", {"choices", "cli", "config", "types", "timing", "loss_result", "progress", "safe_pickle"}),
     ("kernels", {"kernels"}),  # the fused Triton loss: below algorithm/, whose loss registry picks it
     ("algorithm", {"algorithm"}),  # pure tensor math
     ("reward", {"reward"}),

@@ -27,6 +27,7 @@ from rollout_helpers import (  # noqa: E402
 
 from megatron_dapo.rollout import RolloutEngine, VLLMEngine  # noqa: E402
 from megatron_dapo.rollout.engine import new_stats  # noqa: E402
+from megatron_dapo.rollout.weight_transport import bucket_digest, corrupted  # noqa: E402
 from megatron_dapo.types import Response  # noqa: E402
 
 ATOL = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this model
@@ -203,8 +204,9 @@ def test_update_weights_changes_generation_to_the_new_policy(engine, hf_model, m
     new_model = load_hf_model(model_dir, new)
     items = list(new.items())
     try:
-        for start in range(0, len(items), 10):  # bucket by bucket, as the weight bridge streams them
-            engine.update_weights(items[start : start + 10])
+        for start in range(0, len(items), 10):  # bucket by bucket with its digest, as the weight bridge streams them
+            bucket = items[start : start + 10]
+            engine.update_weights(bucket, bucket_digest(bucket))
         engine.finish_weight_update()  # already applied when the last tensor arrived: a no-op
         after = greedy(engine, prompts)
         assert [r[0].token_ids for r in after] != [r[0].token_ids for r in before]
@@ -239,6 +241,16 @@ def test_incomplete_or_bad_weight_updates_leave_the_engine_intact(engine, hf_mod
         engine.update_weights([("model.not_a_weight", torch.zeros(3))])
     with pytest.raises(ValueError, match="shape mismatches.*embed_tokens"):
         engine.update_weights([("model.embed_tokens.weight", torch.zeros(7, 128))])
+    assert [r[0].token_ids for r in greedy(engine, prompts)] == before
+    # a bucket whose bytes are not the ones its digest was taken of (one bit flipped on the way): the whole update
+    # is dropped before anything of it is loaded, naming the bucket's first tensor
+    items = list(new.items())
+    engine.update_weights(items[:10], bucket_digest(items[:10]))
+    with pytest.raises(RuntimeError, match=r"a bucket of 10 tensors arrived damaged: its first tensor 'model\.layers"):
+        engine.update_weights(corrupted(items[10:20]), bucket_digest(items[10:20]))
+    engine.update_weights(items[20:], bucket_digest(items[20:]))  # the rest: still not a complete update
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.finish_weight_update()
     assert [r[0].token_ids for r in greedy(engine, prompts)] == before
 
 

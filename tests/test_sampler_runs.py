@@ -15,11 +15,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from run_helpers import comparable, metrics, newest_complete, python_path, run_train, wait_until
+from run_helpers import (
+    comparable,
+    metrics,
+    newest_complete,
+    python_path,
+    run_train,
+    stalled_and_gone,
+    tagged,
+    wait_until,
+)
 
+from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.data.generator import generate_rows, write_jsonl
-from megatron_dapo.launch.lifeline import RUN_TAG_ENV, start_time
+from megatron_dapo.launch.lifeline import RUN_TAG_ENV
+from megatron_dapo.launch.watchdog import HOST
 from megatron_dapo.launch.writer_lock import LOCK_NAME
 
 
@@ -105,19 +115,24 @@ def uninterrupted(tmp_path_factory, tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted, tmp_path, tiny_qwen2):
+def test_a_rollout_side_stopped_mid_update_then_resume_split_reproduces_the_uninterrupted_run(
+    uninterrupted, tmp_path, tiny_qwen2
+):
     """python -m's resume end to end, every kind of sampler state in the checkpoints (the state round trips of each
     part in one process are tests/test_dynamic_sampling.py's and tests/test_prompt_memory.py's), asynchronous DAPO at
-    eta = 0 taking the colocated run's steps, and a kill -9 in the middle of a weight update:
+    eta = 0 taking the colocated run's steps, and a rollout process that stops in the middle of a weight update:
 
-    1. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0: its train process kills
-       itself (DAPO_FAULT) in the middle of sending update 3, once the second of its buckets is out (after step 3
-       trained, before it is saved): exit 1, one error line naming the train side, nothing of step 3 kept;
-    2. colocated: resumes from the asynchronous run's step 2 and finishes. The metrics of both, step for step (the
-       rollout side's held-out evaluation after step 2 included), and the prompt memory saved at the end are the
-       uninterrupted colocated run's. (An asynchronous run resuming an asynchronous checkpoint step for step is the
-       Slurm USR1 test's, tests/test_slurm_cluster.py; a rollout process's death mid-update and SIGTERM to an
-       asynchronous run are the next test's, at eta = 1.)
+    1. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0, small deadlines from the
+       config (stall 15 s, collectives 60 s): its rollout process stops itself (DAPO_FAULT, SIGSTOP) in the middle of
+       taking update 3, once its engine has taken the update's second bucket. The train side's watchdog finds it no
+       longer running and ends the run: status 75 within the deadline plus 30 s, one line naming its phase, rank and
+       host, its stack (woken for it) in the log, nothing of the run left (its tag); the newest complete checkpoint
+       step 2's or 3's (update 3 follows step 3's training; its buckets may fit in the socket's buffer);
+    2. colocated: resumes from the asynchronous run's newest checkpoint and finishes. The metrics of both, step for
+       step (the rollout side's held-out evaluation after step 2 included), and the prompt memory saved at the end
+       are the uninterrupted colocated run's. (An asynchronous run resuming an asynchronous checkpoint step for step
+       is the Slurm USR1 test's, tests/test_slurm_cluster.py; a rank stopped inside a checkpoint save and SIGTERM to
+       an asynchronous run are the next test's, at eta = 1.)
     """
     cmd, env, lines, full = uninterrupted
     want = [comparable(m) for m in lines]
@@ -129,12 +144,19 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert [e is not None for e in evals] == [False, True, False, True, True] and 0 < sum(evals[3:]) < 2
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
-    split = [*launch_local(cmd), f"trainer.run_dir={cut}", "pipeline.mode=async"]
-    crashed = subprocess.run(split, env={**env, "DAPO_FAULT": "send:3:1"}, capture_output=True, text=True, timeout=600)
-    assert crashed.returncode == 1, crashed.stderr[-4000:]
-    assert crashed.stderr.splitlines()[-1].startswith("error: the train side exited with status -9")
-    assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
-    assert metrics(cut)[-1]["weight_transport/buckets"] >= 3  # so bucket 1 was the middle of an update
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
+    split = [*launch_local(cmd), f"trainer.run_dir={cut}", "pipeline.mode=async", *small]
+    tag = f"rollout-stop-{os.getpid()}"
+    stop = {**env, "DAPO_FAULT": "stop:receive:3:1@rollout0", RUN_TAG_ENV: tag}
+    proc = subprocess.Popen(split, env=stop, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err, took = stalled_and_gone(proc, tag, timeout=600)
+    assert proc.returncode == 75 and took < 15 + 30, err[-4000:]
+    [line] = [x for x in err.splitlines() if x.startswith(f"error: stall: rollout 0 (host {HOST}, pid ")]
+    assert " in phase weight update of step 3" in line and "its process is not running (stopped" in line, line
+    assert " in fault\n" in err and " in tensors\n" in err  # the rollout process's stack, where it stopped
+    saved = newest_complete(cut)
+    assert saved in (2, 3) and not (ckpt / "step_00000004").exists() and len(metrics(cut)) >= 2
+    assert metrics(cut)[1]["weight_transport/buckets"] >= 3  # so bucket 1 was the middle of an update
 
     # a resume whose model.hf_path (the KL reference) is not the weights the run started from: refused
     other = [*cmd, f"trainer.run_dir={cut}", f"model.hf_path={tiny_qwen2()}"]  # the model before _ends_early
@@ -142,21 +164,21 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
     assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith(
         f"error: {ckpt}: the run trained with KL to reference weights "
     ), refused.stderr[-3000:]
-    assert len(metrics(cut)) == 2 and not (ckpt / "step_00000003").exists()
+    assert newest_complete(cut) == saved and not (ckpt / "step_00000004").exists()
 
     resumed = subprocess.run([*cmd, f"trainer.run_dir={cut}"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from step 2" in resumed.stderr
+    assert f"resumed from step {saved}" in resumed.stderr
     got = [comparable(m) for m in metrics(cut)]
     assert [m["step"] for m in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # each step once: lines past a checkpoint dropped
     assert got == want
     # the loss term, token-mean: kl_coef x the mean k over the loss's tokens; k3 >= 0, and > 0 once an update moved
     assert all(m["actor/kl"] > 0 and m["actor/kl_loss"] == pytest.approx(0.1 * m["actor/kl"], rel=1e-6) for m in lines)
-    assert [("weight_transport/gb" in m) for m in metrics(cut)] == [True, True, False, False, False]  # which mode
+    assert [("weight_transport/gb" in m) for m in metrics(cut)] == [k < saved for k in range(5)]  # which mode
     assert (cut / "FINISHED").read_text().strip() == "5"
 
     def memory(run: Path) -> dict:  # the record after step 5, as saved by both runs
-        state = torch.load(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt", weights_only=False)
+        state = read_rank_state(run / "checkpoints" / "step_00000005" / "state" / "rank00000.pt")
         return state["trainer"]["loader"]["scheduler"]["memory"]
 
     a, b = memory(full), memory(cut)
@@ -172,15 +194,18 @@ def test_kill_9_then_resume_split_reproduces_the_uninterrupted_run(uninterrupted
 
 
 @pytest.mark.slow
-def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigterm_each_visit_once(
+def test_async_ahead_of_training_survives_a_stalled_save_a_killed_launcher_and_sigterm_each_visit_once(
     uninterrupted, tmp_path
 ):
     """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
     in flight) with two train ranks (launch local --nproc-per-node 3: torchrun for the train side):
 
-    1. the rollout process kills itself (DAPO_FAULT) in the middle of taking update 3, once its engine has taken
-       the update's second bucket: the run stops at once with one error line, no process of the train side left
-       (torchrun's ranks run in sessions of their own), its last complete checkpoint step 2's or step 3's;
+    1. small deadlines from the config (stall 15 s, collectives 60 s); train rank 1 stops itself (DAPO_FAULT,
+       SIGSTOP) inside step 2's checkpoint save, its shards written: rank 0 waits at the save's barrier, the rollout
+       side at eta. A watchdog finds it no longer running and ends the run: status 75 within the deadline plus 30 s,
+       one line naming the phase, the rank and the host, its stack (woken for it) in the log, no process of the
+       run left (torchrun's ranks run in sessions of their own; found by the run's tag), step 1's checkpoint the
+       newest complete one;
     2. resumed, and the launcher's process group killed -9 (a terminal's hang-up, an OOM kill of the launcher)
        once the next step is saved and a reward worker and both ranks run: torchrun's agent dies with the launcher
        (parent-death signal), the ranks and the rollout process see the launcher gone, and with their workers all
@@ -195,27 +220,24 @@ def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigt
     counts exactly the groups the surviving steps generated: every visit trained or rejected once, none from the
     killed runs' lost steps and none of the batch collected after the last one leaked into the saved state.
     """
-    import psutil
-
     cmd, env, _, _ = uninterrupted
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
     ahead = [f"trainer.run_dir={run}", "pipeline.mode=async", "sampler.max_staleness=1", "--nproc-per-node", "3"]
     ahead.append("trainer.total_steps=9")  # never reached: the last launch is stopped by SIGTERM
-    crash = {**env, "DAPO_FAULT": "receive:3:1"}
+    tag = f"save-stop-{os.getpid()}"
+    stop = {**env, "DAPO_FAULT": "stop:save:2:0@train1", RUN_TAG_ENV: tag}
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
     proc = subprocess.Popen(
-        [*launch_local(cmd), *ahead], env=crash, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*launch_local(cmd), *ahead, *small], env=stop, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    wait_until(lambda: len(metrics(run)) >= 1, what="step 1", proc=proc)  # the train ranks are up
-    train_side = [p.pid for p in psutil.Process(_child_with(proc.pid, "DAPO_ROLE=train")).children(recursive=True)]
-    train_side.append(_child_with(proc.pid, "DAPO_ROLE=train"))
-    err = proc.communicate(timeout=300)[1]
-    assert proc.returncode == 1 and err.splitlines()[-1].startswith("error: the rollout side exited with status -9")
-    assert len(train_side) >= 3 and not [pid for pid in train_side if _running(pid)]  # torchrun, 2 ranks, workers
-    # update 3 follows step 3's training; its buckets may all fit in the socket's buffer, so the train side may
-    # save step 3 before it learns that the receiver is gone (a complete step either way)
+    _, err, took = stalled_and_gone(proc, tag, timeout=600)
+    assert proc.returncode == 75 and took < 15 + 30, err[-4000:]
+    [line] = [x for x in err.splitlines() if x.startswith(f"error: stall: train 1 (host {HOST}, pid ")]
+    assert " in phase save of step 2" in line and "its process is not running (stopped" in line, line
+    assert " in fault\n" in err and " in _write\n" in err  # train rank 1's stack, where it stopped
     saved = newest_complete(run)
-    assert saved in (2, 3) and not (ckpt / "step_00000004").exists()
+    assert saved == 1 and not (ckpt / "step_00000002").exists()  # step_00000002.tmp, never taken, may stay
 
     killed = _kill_launcher(launch_local(cmd) + ahead, env, run, tmp_path / "killed.log", after=saved + 1)
     assert killed > saved
@@ -245,7 +267,7 @@ def test_async_ahead_of_training_survives_a_dead_side_a_killed_launcher_and_sigt
     # a step's tokens are counted by the step that generated them, whatever weights did: each lands in one bin
     parts = ("trained", "wasted", "carried", "paused", "uninformative")
     assert all(m["tokens/generated"] == sum(m[f"tokens/{p}"] for p in parts) > 0 for m in lines)
-    last = torch.load(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt", weights_only=False)
+    last = read_rank_state(ckpt / f"step_{stopped_at:08d}" / "state" / "rank00000.pt")
     visits = last["trainer"]["loader"]["scheduler"]["memory"]["visits"]
     assert int(visits.sum()) == int(sum(m["sampler/groups_generated"] for m in lines)) > 0
 
@@ -296,43 +318,10 @@ def test_two_engines_in_two_processes_agree_with_partial_rollout(tmp_path, tiny_
     assert lines[0]["rollout/kl"] < 1e-6 and "moe/load_imbalance/layer2" in lines[0]
 
 
-def _running(pid: int) -> bool:
-    """pid is a process that has not exited (a killed orphan stays a zombie until this container's init reaps it)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def launch_local(cmd: list[str]) -> list[str]:
     """The trainer's command `cmd` (python -m megatron_dapo.train ARGS) as python -m megatron_dapo.launch local ARGS:
     the one way to start both sides of an asynchronous job on one machine."""
     return [sys.executable, "-m", "megatron_dapo.launch", "local", *cmd[3:]]
-
-
-def _child_with(pid: int, env_entry: str) -> int:
-    """The child process of pid whose environment holds env_entry (e.g. "DAPO_ROLE=rollout")."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    found = [int(c) for c in children if env_entry.encode() in Path(f"/proc/{c}/environ").read_bytes().split(b"\0")]
-    assert len(found) == 1, (pid, env_entry, children)
-    return found[0]
-
-
-def _tagged(tag: str) -> dict[int, str]:
-    """{pid: command line} of every running process (not a zombie) that carries the run's tag."""
-    entry = f"{RUN_TAG_ENV}={tag}".encode()
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if entry in (d / "environ").read_bytes().split(b"\0") and start_time(int(d.name)) is not None:
-                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-        except OSError:
-            continue
-    return found
 
 
 def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, after: int) -> int:
@@ -347,9 +336,9 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         environ = Path(f"/proc/{children[0]}/environ").read_text().split("\0")
         tag = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{RUN_TAG_ENV}="))  # the launcher's
-        wait_until(lambda: any("multiprocessing" in c for c in _tagged(tag).values()), what="a reward worker")
+        wait_until(lambda: any("multiprocessing" in c for c in tagged(tag).values()), what="a reward worker")
         under = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        before = _tagged(tag)
+        before = tagged(tag)
         assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
         assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
         assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= 2, before
@@ -360,9 +349,9 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
     proc.wait()
     killed_at = time.monotonic()
     try:
-        wait_until(lambda: not _tagged(tag), timeout=10, what="no process of the run left")
+        wait_until(lambda: not tagged(tag), timeout=10, what="no process of the run left")
     finally:
-        for pid in _tagged(tag):  # never leave them running for the rest of the suite
+        for pid in tagged(tag):  # never leave them running for the rest of the suite
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - killed_at < 10
     return newest_complete(run)

@@ -63,9 +63,17 @@ if [[ $FAKE_SIGNAL != none ]]; then
     for _ in $(seq "$tries"); do [[ -n $got ]] && break; sleep 0.1; done
 fi
 save() { mkdir -p "$RUN_DIR/checkpoints"; echo step_00000007 > "$RUN_DIR/checkpoints/latest"; }
+stall() { # what a run's watchdog leaves in the attempt's log folder when it ends a stalled run
+    mkdir -p "$DAPO_LOG_DIR/stacks"
+    echo '{"line": "stall: rank 3 (host gpu002, pid 77) made no progress for 901 s in phase train", "at": 1}' \
+        > "$DAPO_LOG_DIR/stall.json"
+    printf 'Thread 0x1 (most recent call first):\n  File "x.py", line 1 in train_step\n' \
+        > "$DAPO_LOG_DIR/stacks/rank3-gpu002-77.txt"
+}
 case $FAKE_ACTION in
     save) save ;;
     finish) save; echo 7 > "$RUN_DIR/FINISHED" ;;
+    stall) save; stall ;;
 esac
 exit "$FAKE_RC"
 """
@@ -434,6 +442,32 @@ def test_failure_without_signal_exits_nonzero_and_is_not_requeued(job, rc, expec
     assert seen["requeued"] is None and seen["forwarded"] is None
     assert f"training failed with srun status {rc}" in p.stdout
     assert not (job["run"] / "FINISHED").exists()
+
+
+def test_a_stall_is_requeued_up_to_the_config_s_limit_then_ends_the_job(job):
+    """The run's watchdog ended it (stall.json in the attempt's log folder, which every process of the job is told
+    through DAPO_LOG_DIR): requeued from latest while trainer.stall_requeues (read from the config and overrides)
+    allows, counting across the job's attempts; then exit 75. The stacks are collected into stacks.txt."""
+    (job["repo"] / CONFIG).write_text("trainer:\n  stall_requeues: 2\n")
+    _executable(job["venv"] / "bin" / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # the real one
+    seen = []
+    for attempt in (0, 1):  # the override wins over the config file's 2
+        job["env"]["SLURM_RESTART_COUNT"] = str(attempt)
+        (job["fake"] / "requeued").unlink(missing_ok=True)
+        _executable(job["fake"] / "bin" / "srun", FAKE_SRUN)
+        env = dict(job["env"], FAKE_SIGNAL="none", FAKE_ACTION="stall", FAKE_RC="1")
+        p = run("train_qwen32b.sh", "trainer.stall_requeues=1", env=env)
+        log = job["run"] / "logs" / JOB_ID / f"attempt_{attempt}"
+        seen.append((p, (job["fake"] / "requeued").read_text() if (job["fake"] / "requeued").exists() else None, log))
+    (first, requeued, log), (second, again, log2) = seen
+    assert first.returncode == 0 and requeued == f"{JOB_ID}\n", first.stdout + first.stderr
+    line = "stall: rank 3 (host gpu002, pid 77) made no progress for 901 s in phase train"
+    assert f"the run stalled ({line}): requeue 1 of trainer.stall_requeues=1, from step_00000007" in first.stdout
+    assert (log / "stacks.txt").read_text().startswith("==== rank3-gpu002-77 ====\nThread 0x1")
+    assert second.returncode == 75 and again is None, second.stdout + second.stderr
+    assert f"the run stalled ({line}); no requeue left (trainer.stall_requeues=1): see {log2}/stacks.txt" in (
+        second.stdout
+    )
 
 
 FAKE_SRUN_TWO_STEPS = """#!{python}

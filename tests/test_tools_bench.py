@@ -213,7 +213,7 @@ FIELDS = {
         "mfu",
         "logprob_mfu",
     ],
-    "sync": ["sync_s", "sync_gb", "sync_gb_per_s", "sync_buckets"],
+    "sync": ["sync_s", "sync_gb", "sync_gb_per_s", "sync_buckets", "sync_digest_s", "sync_no_digest_s"],
     "step": ["step_generate_s", "step_old_logp_s", "step_train_s", "step_sync_s", "step_total_s", "step_tokens_per_s"],
 }
 SMALL_RUN = ["--tiny", "--prompts", "8", "--n", "2", "--max-tokens", "32", "--train-steps", "1", "--syncs", "1"]

@@ -21,6 +21,8 @@ import torch
 from run_helpers import comparable, metrics, python_path, run_train, same_up_to_fp32_sums, session_survivors, wandb_env
 
 from megatron_dapo.algorithm import group_advantages
+from megatron_dapo.convert.resolve import read_rank_state
+from megatron_dapo.launch.watchdog import read_records
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.trainer import assign_advantages, batch_rewards, minibatch_ids, train_samples
 from megatron_dapo.types import Prompt, Response
@@ -181,6 +183,8 @@ def test_metric_sinks_drop_what_follows_the_resumed_step_and_log_each_step_to_wa
     finally:
         sinks.close()
     assert metrics(run) == interrupted[:2] + resumed and [p.name for p in run.glob("*.tmp")] == []
+    kept = [json.loads(x) for x in (run / "metrics.dropped.jsonl").read_text().splitlines()]
+    assert kept == interrupted[2:]  # never deleted: the interrupted run's step 3, aside
     assert _wandb_history(run, env) == [{"_step": 3, **resumed[0]}, {"_step": 4, **resumed[1]}]
 
 
@@ -245,7 +249,7 @@ def test_nan_losses_stop_the_run_which_resumes_with_fp8_rollouts(two_steps, tmp_
 
     def nan_in_a_row(step: int) -> int:
         path = run / "checkpoints" / f"step_{step:08d}" / "state" / "rank00000.pt"
-        return torch.load(path, weights_only=False)["trainer"]["nan_in_a_row"]
+        return read_rank_state(path)["trainer"]["nan_in_a_row"]
 
     assert nan_in_a_row(2) == 1
     fixed = ["trainer.max_nan_in_a_row=2", "trainer.total_steps=3", "eval.every=0"]  # temperature 1 again
@@ -274,11 +278,27 @@ def test_two_rollout_processes_take_the_one_process_run_s_steps_and_evaluate(two
     taking each weight update) and one train process: samples do not depend on the number of engines (the data
     parallel test above), so this run is two_steps' one-process run step for step, the rollout side's held-out
     evaluation after step 2 (both engines sampling half the problems) included; the losses and the engines'
-    logprobs within fp32 rounding (two engines batch their sequences differently)."""
+    logprobs within fp32 rounding (two engines batch their sequences differently).
+
+    Every process group of the run has trainer.collective_timeout_s as its timeout: the worlds of both sides,
+    Megatron's groups, vLLM's (made inside each engine), the sides' channel and the weight transport, as each
+    process published them (run_dir/logs)."""
     overrides, ref_run, _ = two_steps
     run = tmp_path / "split"
     split = ["pipeline.mode=async", "pipeline.rollout_gpus=2", "sampler.max_staleness=0", "--nproc-per-node", "3"]
-    run_train([*overrides, f"trainer.run_dir={run}", *split], launcher="local")  # torchrun: the 2 rollout processes
+    timeout = ["trainer.collective_timeout_s=1234"]
+    run_train([*overrides, f"trainer.run_dir={run}", *split, *timeout], launcher="local")  # torchrun: 2 rollouts
+    records = {r["label"]: r["groups"] for r in read_records(next((run / "logs").glob("*/progress")).parent)}
+    assert sorted(records) == ["rollout 0", "rollout 1", "train 0"]
+    assert all(t == 1234.0 for groups in records.values() for t in groups.values()), records
+    train, rollout0 = set(records["train 0"]), set(records["rollout 0"])
+    assert {"world", "transport:batches", "transport:weights", "megatron:tensor_model_parallel_group"} <= train
+    assert {"megatron:data_parallel_group", "megatron:pipeline_model_parallel_group"} <= train
+    assert {"world", "transport:batches", "transport:weights"} <= rollout0 and "transport:batches" not in records[
+        "rollout 1"
+    ]
+    assert all(sum(n.startswith("vllm:") for n in records[r]) >= 2 for r in ("rollout 0", "rollout 1"))  # the engines'
+    assert not any(n.startswith("vllm:") for n in train)
     got = metrics(run)
     assert [m["pipeline/weights_version"] for m in got] == [0.0, 1.0]
     assert all(m["weight_transport/gb"] > 0 for m in got)
@@ -443,6 +463,132 @@ def test_stop_signals_count_a_duplicate_delivery_once():
             os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # its duplicate, during the clean-up: ignored
         assert stop.name == "SIGTERM"
+
+        stop = StopSignals()  # Ctrl-C: the first finishes the step and saves; a second one, however soon, leaves
+        stop.running = True
+        assert signal.getsignal(signal.SIGINT) == stop._handle  # not Python's KeyboardInterrupt (a traceback)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.name == "SIGINT"
+        with pytest.raises(SystemExit, match=r"^SIGINT: stopping now \(again\), nothing saved$"):
+            os.kill(os.getpid(), signal.SIGINT)
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def _another_run(run: Path) -> dict[str, tuple[int, int, bytes]]:
+    """A finished 3-step run's files, as a run with trainer.save_every=1 leaves them; {path: (size, mtime, bytes)}."""
+    for step in (1, 2, 3):
+        state = run / "checkpoints" / f"step_{step:08d}"
+        (state / "state").mkdir(parents=True)
+        (state / "state" / "rank00000.pt").write_bytes(os.urandom(64))
+        (state / "COMPLETE").write_text("1\n")
+    (run / "checkpoints" / "latest").write_text("step_00000003\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": float(s)}) + "\n" for s in (1, 2, 3)))
+    (run / "config.yaml").write_text("trainer:\n  total_steps: 3\n")
+    (run / "FINISHED").write_text("3\n")
+    return _files(run)
+
+
+def _files(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_run_directory_that_holds_another_run_is_refused_with_nothing_changed(tmp_path, run_main):
+    """trainer.resume=false in a run_dir holding another run's checkpoints and metrics: refused before anything is
+    written (every file byte for byte, mtime included, and nothing added), in one line naming the directory and the
+    ways on; by the trainer and by the launcher. trainer.overwrite=true moves that run aside, whole."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.launch.__main__ import main as launch_main
+    from megatron_dapo.launch.run_dir import check_run_dir
+    from megatron_dapo.train import main
+
+    run = tmp_path / "run"
+    before = _another_run(run)
+    again = [f"trainer.run_dir={run}", "trainer.resume=false", "trainer.total_steps=1", "model.hf_path=/nowhere"]
+    want = (
+        f"error: trainer.run_dir={run} holds another run (3 checkpoint(s), step_00000001 to step_00000003 and "
+        "metrics.jsonl with 3 step(s)), which trainer.resume=false would overwrite: continue it with "
+        "trainer.resume=true, or start this run in another trainer.run_dir (trainer.overwrite=true moves the old run "
+        "aside first)"
+    )
+    for entry, args in ((main, again), (launch_main, ["local", *again])):
+        code, lines = run_main(entry, args)
+        assert (code, lines) == (1, [want])
+        assert _files(run) == before and sorted(os.listdir(tmp_path)) == ["run"]
+    check_run_dir(load_config(None, [f"trainer.run_dir={tmp_path / 'empty'}", "trainer.resume=false"]), True)
+    check_run_dir(load_config(None, [f"trainer.run_dir={run}", "trainer.resume=true"]), True)  # continuing it
+    check_run_dir(load_config(None, [*again, "trainer.overwrite=true"]), mover=False)  # another rank: goes on
+    assert _files(run) == before
+    check_run_dir(load_config(None, [*again, "trainer.overwrite=true"]), mover=True)
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert not run.exists() and _files(aside) == before
+
+
+@pytest.mark.slow
+def test_an_engine_stopped_mid_generation_is_named_with_its_stack_and_ctrl_c_saves_the_resumed_run(two_steps, tmp_path):
+    """The README's commands, two_steps' run, small deadlines from the config (stall 10 s, collectives 40 s):
+
+    1. `launch local` (one process, the engine inside it), which stops itself (DAPO_FAULT, SIGSTOP) at its fourth
+       engine step of step 2: the launcher finds its record no longer refreshed, wakes it for its stacks, kills it
+       and exits 75 within the deadline plus 30 s, with one line naming the phase, the rank and the host and the
+       stopped process's stack; nothing of the run is left (its tag); step 1's checkpoint is intact, the newest.
+    2. started again where it stopped (a refused trainer.resume=false first: nothing changes on disk), then
+       `python -m megatron_dapo.train`, the default resume, and one Ctrl-C once step 2 runs: it finishes the step,
+       saves and exits 0; steps 1 and 2 are two_steps' uninterrupted ones."""
+    import signal
+
+    from run_helpers import stalled_and_gone, wait_until
+
+    from megatron_dapo.launch.lifeline import RUN_TAG_ENV
+    from megatron_dapo.launch.watchdog import HOST, read_records
+
+    overrides, ref_run, _ = two_steps
+    run = tmp_path / "run"
+    small = ["trainer.stall_timeout_s=10", "trainer.collective_timeout_s=40", f"trainer.run_dir={run}"]
+    tag = f"engine-stop-{os.getpid()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", RUN_TAG_ENV: tag, "DAPO_FAULT": "stop:engine_step:2:3"}
+    cmd = [sys.executable, "-m", "megatron_dapo.launch", "local", *overrides, *small]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err, took = stalled_and_gone(proc, tag, timeout=300)
+    assert proc.returncode == 75 and took < 10 + 30, err[-4000:]
+    pid = next(r["pid"] for r in read_records(run / "logs" / tag) if r["label"] == "rank 0")
+    line = f"error: stall: rank 0 (host {HOST}, pid {pid}) made no progress for 1"  # 10 to 19 s
+    [stall] = [x for x in err.splitlines() if x.startswith(line)]
+    assert " s in phase generate of step 2, last at " in stall and "; its process is not running (stopped" in stall
+    assert stall.endswith(f"collected in {run / 'logs' / tag / 'stacks.txt'}")
+    stack = err[err.index(f"the stacks of rank 0 (pid {pid}):") :]
+    assert " in fault\n" in stack and " in counted\n" in stack and " in next_batch\n" in stack  # where it stopped
+    assert " in fault\n" in (run / "logs" / tag / "stacks.txt").read_text()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    assert [m["step"] for m in metrics(run)] == [1.0]
+
+    before = _files(run)
+    train = [sys.executable, "-m", "megatron_dapo.train", *overrides, *small]
+    plain = {k: v for k, v in env.items() if k not in (RUN_TAG_ENV, "DAPO_FAULT")}  # a terminal's
+    refused = subprocess.run([*train, "trainer.resume=false"], env=plain, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.splitlines()[-1].startswith(f"error: trainer.run_dir={run} holds")
+    assert _files(run) == before
+    resume = subprocess.Popen(train, env=plain, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    records = run / "logs" / f"{HOST}-{resume.pid}"  # no launcher: the process's own folder
+    try:
+        wait_until(
+            lambda: any(r["step"] == 2 and r["phase"] != "start-up" for r in read_records(records)),
+            timeout=300,
+            what="step 2 under way",
+            proc=resume,
+        )
+        resume.send_signal(signal.SIGINT)  # Ctrl-C at the terminal
+        out, err = resume.communicate(timeout=300)
+    finally:
+        resume.kill()
+        resume.wait()
+    assert resume.returncode == 0, err[-4000:]
+    assert f"SIGINT: saved {run / 'checkpoints' / 'step_00000002'} at step 2; exiting" in out
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err
+    same_up_to_fp32_sums([comparable(m) for m in metrics(ref_run)], [comparable(m) for m in metrics(run)])

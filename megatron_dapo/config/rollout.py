@@ -26,6 +26,10 @@ class RolloutConfig:
     """Weight sync to the rollout engine streams Hugging Face tensors in buckets of at most
     this many bytes: the memory a sync needs beyond the model is about one bucket plus the
     largest tensor."""
+    weight_digest: bool = True
+    """Check every weight sync: a checksum of each bucket's bytes as sent and as the engine side received them,
+    compared before the engine generates again; a mismatch stops the run naming the bucket and its first tensor.
+    It covers what crosses (FP8 weights and scales included), not vLLM's own fused or resharded tensors."""
     quantization: str = "none"
     """'none': the engine generates with the policy's weights in model.dtype. 'fp8': every weight
     sync quantizes the decoder layers' linear weights to per-block FP8 E4M3 (128 x 128 blocks,

@@ -28,6 +28,38 @@ LATEST = "latest"
 """The file in a checkpoints/ directory that names its newest complete step_N, replaced last on save."""
 
 
+class UnsafeCheckpoint(ConvertError):
+    """A checkpoint's state file names code to run: refused, nothing of it run."""
+
+
+def rank_state_file(step_dir: str | Path, rank: int) -> Path:
+    """step_N/state/rankRRRRR.pt: rank's scheduler, RNG states and trainer state (megatron_dapo.checkpoint)."""
+    return Path(step_dir) / "state" / f"rank{rank:05d}.pt"
+
+
+def read_rank_state(path: Any) -> dict[str, Any]:
+    """A rank's state file (a path, or a file object), read by torch's weights-only unpickler allowed megatron_dapo/safe_pickle.py's list
+    (tensors, plain containers, numpy arrays, the project's records): a file naming anything else is refused
+    (UnsafeCheckpoint, one line naming the file and what it named), nothing of it run."""
+    import pickle
+    import re
+
+    import torch
+
+    from megatron_dapo import safe_pickle
+
+    with torch.serialization.safe_globals(safe_pickle.allowed_objects()):
+        try:
+            return torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            named = re.search(r"GLOBAL ([\w.]+)", str(e))
+            raise UnsafeCheckpoint(
+                f"{path}: refused to load: it names {named.group(1) if named else 'something'} to run, which no "
+                "megatron-dapo checkpoint holds (only tensors, plain data, numpy arrays and its own records); "
+                "nothing of it was run. A checkpoint from elsewhere: remove it, or start in another trainer.run_dir"
+            ) from None
+
+
 @dataclass
 class MegatronSource:
     """A Megatron checkpoint resolved to what a conversion reads (resolve_megatron_checkpoint)."""

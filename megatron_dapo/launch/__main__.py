@@ -57,6 +57,10 @@ def launch(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a config error is one line before anything starts
+    if not getattr(args, "print_only", False):
+        from megatron_dapo.launch.run_dir import check_run_dir
+
+        check_run_dir(cfg, mover=True)  # another run's data in run_dir: refused (or moved aside) before anything
     if args.launcher == "local":
         from megatron_dapo.launch.local import run_local
 

@@ -12,7 +12,8 @@ job's; a rollout side that dies ends the train side at once (its last complete c
 from) with one error line. A Slurm job sets the same variables per srun step instead (slurm/train_qwen32b.sh,
 ROLLOUT_NODES), a Ray job per actor (launch/ray_cluster.py). Nothing outlives this launcher, even killed -9
 (lifeline.py): every process carries the run's tag, torchrun's agent has the parent-death signal and each trainer
-process watches this one.
+process watches this one. A stalled run (watchdog.py) ends with every process's stacks in the launch's log folder,
+run_dir/logs/<its tag>, the stall's line and the stalled process's stacks on stderr, and status 75 (STALL_EXIT).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
-from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
+from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree, tree_pids
+from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, end_stalled, read_stall, run_log_dir, watch_run
 from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 ROLLOUT_EXIT_GRACE_S = 60.0
@@ -36,7 +39,9 @@ FAILURE_GRACE_S = 5.0
 """After the train side has failed, how long the rollout side may take to exit on its own (its status may name the
 cause: a rollout process that died first) before it is killed."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""What a launcher passes on to the trainer's ranks (SIGINT as SIGTERM): each saves and exits 0."""
+"""What a launcher passes on to the trainer's ranks: each saves and exits 0 (a second Ctrl-C: each leaves at once)."""
+WATCH_S = 1.0
+"""How often the launcher looks at the run's progress records for a stall."""
 
 
 def side_devices(visible: list[str], rollout_gpus: int, train_procs: int) -> tuple[str, str]:
@@ -82,18 +87,17 @@ def start_side(cmd: list[str], env: dict[str, str], procs: int) -> subprocess.Po
 
 
 def signal_ranks(proc: subprocess.Popen, procs: int, signum: int) -> None:
-    """A stop signal to the trainer's ranks themselves (SIGINT as SIGTERM): torchrun answers a SIGTERM by stopping
-    its ranks and failing, where each rank on its own saves and exits 0 (and torchrun with them)."""
+    """A stop signal to the trainer's ranks themselves: torchrun answers a SIGTERM by stopping its ranks and failing,
+    where each rank on its own saves and exits 0 (and torchrun with them)."""
     import psutil
 
     if proc.poll() is not None:
         return
-    sig = signal.SIGTERM if signum == signal.SIGINT else signum
     with contextlib.suppress(psutil.NoSuchProcess):
         ranks = psutil.Process(proc.pid).children() if procs > 1 else [psutil.Process(proc.pid)]
         for rank in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
-                rank.send_signal(sig)
+                rank.send_signal(signum)
 
 
 def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
@@ -105,16 +109,38 @@ def run_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: O
         return run_async_local(config, overrides, cfg, nproc)
     nproc = nproc or 1
     args = [*(["--config", config] if config else []), *overrides]
-    env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
+    env = run_env(cfg)
+    log_dir, since = Path(env[LOG_DIR_ENV]), time.time()
     proc = start_side(train_command(args, nproc), env, nproc)
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(proc, nproc, n)) for s in STOP_SIGNALS}
     try:
-        return proc.wait()
+        while proc.poll() is None:
+            if watch_run(log_dir, since) is not None:
+                return stalled(log_dir, [proc])
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=WATCH_S)
+        return stalled(log_dir, [proc]) if read_stall(log_dir, since) is not None else proc.returncode
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if proc.poll() is None:
             kill_tree(proc)
+
+
+def run_env(cfg: Config) -> dict[str, str]:
+    """The environment of a launch's processes: this one's without a torch.distributed world, the launcher and the
+    run's tag (lifeline.py) and its log folder, run_dir/logs/<tag> (watchdog.py)."""
+    env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
+    env[LOG_DIR_ENV] = str(run_log_dir(cfg.trainer.run_dir, env).resolve())
+    return env
+
+
+def stalled(log_dir: Path, procs: list[subprocess.Popen]) -> int:
+    """End a stalled run: every process under procs woken for its stacks, then killed; the report on stderr;
+    STALL_EXIT."""
+    pids = [pid for p in procs for pid in tree_pids(p)]
+    print(end_stalled(log_dir, pids, lambda: [kill_tree(p) for p in procs]), file=sys.stderr, flush=True)
+    return STALL_EXIT
 
 
 def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, nproc: Optional[int]) -> int:
@@ -126,7 +152,8 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
             f"--nproc-per-node {nproc}: expected more than pipeline.rollout_gpus={cfg.pipeline.rollout_gpus} (the rest train)"
         )
     args = [*(["--config", config] if config else []), *overrides]
-    env = launcher_env({k: v for k, v in os.environ.items() if k not in WORLD_ENV})
+    env = run_env(cfg)
+    log_dir, since = Path(env[LOG_DIR_ENV]), time.time()
     env.update({TRANSPORT_ENV: f"127.0.0.1:{free_port_pair()}", TRAIN_PROCS_ENV: str(train_procs)})
     rollout_env, train_env = {**env, ROLE_ENV: "rollout"}, {**env, ROLE_ENV: "train"}
     visible = visible_gpus()
@@ -141,7 +168,9 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
     previous = {s: signal.signal(s, lambda n, frame: signal_ranks(train, train_procs, n)) for s in STOP_SIGNALS}
 
     try:
-        blamed = watch_sides(train, rollout)
+        blamed = watch_sides(train, rollout, lambda: watch_run(log_dir, since) is not None)
+        if blamed is not None and read_stall(log_dir, since) is not None:
+            return stalled(log_dir, [train, rollout])
         if blamed is None:
             return 0
         side, status = blamed
@@ -161,10 +190,18 @@ def run_async_local(config: Optional[str], overrides: list[str], cfg: Config, np
                 kill_tree(proc)
 
 
-def watch_sides(train: subprocess.Popen, rollout: subprocess.Popen) -> Optional[tuple[str, int]]:
+def watch_sides(
+    train: subprocess.Popen, rollout: subprocess.Popen, stalled: Callable[[], bool] = lambda: False
+) -> Optional[tuple[str, int]]:
     """Wait for the asynchronous run's end. None: the train side exited 0 and the rollout side too (or was stopped
-    after ROLLOUT_EXIT_GRACE_S); else (the side to blame, its exit status), the other side stopped."""
+    after ROLLOUT_EXIT_GRACE_S); else (the side to blame, its exit status), the other side stopped; ("stall", -1)
+    as soon as stalled() (the run's processes are left to the caller)."""
+    checked = 0.0
     while True:
+        if time.monotonic() - checked > WATCH_S:
+            checked = time.monotonic()
+            if stalled():
+                return "stall", -1
         if train.poll() is not None:
             if train.returncode == 0:  # it asked the controller to stop: let it finish
                 try:

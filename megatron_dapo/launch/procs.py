@@ -34,6 +34,16 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no two consecutive free ports on {host} below {low}")
 
 
+def tree_pids(proc: subprocess.Popen) -> list[int]:
+    """proc's pid and every process's under it (torchrun's ranks run in sessions of their own, still under it)."""
+    import psutil
+
+    try:
+        return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a side and every process under it: torchrun starts each train rank in a session of its own, so
     killing the side's process group would leave the ranks running."""

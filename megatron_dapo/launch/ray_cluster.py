@@ -8,7 +8,8 @@ the driver's). The driver prints every process's lines prefixed with its rank, a
 
 - a trainer process that fails or an actor that dies (its node gone): every other worker is killed, the placement
   group released, and the job starts again from the newest checkpoint (trainer.resume), up to --max-restarts, with
-  a line saying why;
+  a line saying why; a stalled run (watchdog.py) likewise, after each actor has woken its process for its stacks
+  (each attempt's log folder: run_dir/logs/<launch>/attempt_N);
 - SIGTERM, SIGINT or SIGUSR1 to the driver: SIGTERM to the trainer processes (an asynchronous job's train side),
   which save and exit; exit status 0 if every one exited 0 (the save completed), else 1; no restart.
 
@@ -41,6 +42,7 @@ from megatron_dapo.launch.lifeline import LAUNCHER_PID_ENV, LAUNCHER_START_ENV, 
 from megatron_dapo.launch.local import ROLLOUT_EXIT_GRACE_S, STOP_SIGNALS
 from megatron_dapo.launch.procs import WORLD_ENV
 from megatron_dapo.launch.ray_worker import Worker
+from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, run_log_dir
 from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 FORWARDED_PREFIXES = (
@@ -183,7 +185,7 @@ def run_ray(config: Optional[str], overrides: list[str], cfg: Config, opts: Opti
         check_resources(ray, opts)
         run_tag = os.environ.get(RUN_TAG_ENV) or new_run_tag()  # every attempt's processes carry it
         for attempt in range(opts.max_restarts + 1):
-            job = Job(ray, opts, slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus), cfg, run_tag)
+            job = Job(ray, opts, slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus), cfg, run_tag, attempt)
             try:
                 job.place(paths, stop)
                 if stop.count:
@@ -255,11 +257,16 @@ def check_resources(ray: Any, opts: Options) -> None:
 class Job:
     """One attempt: the placement group, its actors and their trainer processes."""
 
-    def __init__(self, ray: Any, opts: Options, slots: list[Slot], cfg: Config, run_tag: str = "") -> None:
+    def __init__(
+        self, ray: Any, opts: Options, slots: list[Slot], cfg: Config, run_tag: str = "", attempt: int = 0
+    ) -> None:
         self.ray, self.opts, self.slots, self.cfg = ray, opts, slots, cfg
         self.group: Any = None
         self.actors: list[Any] = []
         self.run_tag = run_tag or new_run_tag()
+        # each attempt's progress records and stacks apart: a restart must not read the failed attempt's
+        run = run_log_dir(cfg.trainer.run_dir, {RUN_TAG_ENV: self.run_tag})
+        self.log_dir = str(run.resolve() / f"attempt_{attempt}")
 
     def place(self, paths: list[str], stop: Stop) -> None:
         """Reserve the bundles, start an actor on each slot, and give every slot its world."""
@@ -331,7 +338,7 @@ class Job:
         """Start every trainer and supervise them: None when all exited 0 (finished, or saved after a stop
         signal), else why the attempt failed."""
         # every attempt of this launch carries its tag: a restart takes over the run directory's writer lock
-        env = {RUN_TAG_ENV: self.run_tag, **forwarded_env(dict(os.environ))}
+        env = {RUN_TAG_ENV: self.run_tag, **forwarded_env(dict(os.environ)), LOG_DIR_ENV: self.log_dir}
         cwd = os.getcwd()
         self.call("start", [[args, {**env, **s.env}, cwd, self.banner(s)] for s in self.slots])
         done: dict[int, int] = {}
@@ -372,10 +379,14 @@ class Job:
             time.sleep(POLL_S)
 
     def release(self) -> None:
-        """Kill every trainer process, then the actors, then the placement group: nothing of this attempt stays."""
+        """Kill every trainer process (a stalled run's woken for their stacks first, each by its actor), then the
+        actors, then the placement group: nothing of this attempt stays."""
         ray = self.ray
         with contextlib.suppress(Exception):
-            ray.get([a.kill.remote() for a in self.actors], timeout=ACTOR_CALL_TIMEOUT_S)
+            reports = ray.get([a.kill.remote() for a in self.actors], timeout=ACTOR_CALL_TIMEOUT_S)
+            report = next((r for r in reports if r), "")
+            if report:
+                print(f"[launch] {report}", flush=True)
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
@@ -388,6 +399,8 @@ class Job:
 
 
 def _status(rc: int) -> str:
+    if rc == STALL_EXIT:
+        return "stalled (the stall's line and stacks follow)"
     if rc < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-rc).name}"

@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any, Optional
 
 from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
-from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree
+from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree, tree_pids
+from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, end_stalled, read_stall, watch_run
 
 
 class Worker:
@@ -24,6 +27,9 @@ class Worker:
         self.lines: list[str] = []
         self.lock = threading.Lock()
         self.reader: Optional[threading.Thread] = None
+        self.log_dir: Optional[Path] = None  # the attempt's log folder (DAPO_LOG_DIR): where a stall shows
+        self.started = 0.0
+        self.stalled = False
 
     def where(self, paths: list[str]) -> dict[str, Any]:
         """This actor's Ray node and devices, and which of paths this node does not have."""
@@ -51,6 +57,8 @@ class Worker:
         full = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
         full = launcher_env({**full, **env})
         full["PYTHONUNBUFFERED"] = "1"  # lines as they are written
+        self.log_dir = Path(full[LOG_DIR_ENV]) if full.get(LOG_DIR_ENV) else None
+        self.started = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_dapo.train", *args],
             env=full,
@@ -78,6 +86,10 @@ class Worker:
         """(the lines since the last poll, the exit status or None while running). The status comes only after the
         process's last line has been read."""
         rc = None if self.proc is None else self.proc.poll()
+        if rc is None and self.log_dir is not None and watch_run(self.log_dir, self.started) is not None:
+            self.kill()  # the run stalled: its stacks, then the process
+        if self.stalled:
+            rc = STALL_EXIT
         if rc is not None and self.reader is not None:
             self.reader.join(timeout=5)
         with self.lock:
@@ -89,7 +101,17 @@ class Worker:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signum)
 
-    def kill(self) -> None:
-        """SIGKILL the trainer process and everything under it (its reward workers)."""
-        if self.proc is not None:
+    def kill(self) -> str:
+        """SIGKILL the trainer process and everything under it (its reward workers); in a stalled run, woken for
+        their stacks first. Returns the stall's report (its line, the stalled process's stacks), or ''."""
+        if self.proc is None:
+            return ""
+        if self.log_dir is None or read_stall(self.log_dir, self.started) is None:
             kill_tree(self.proc)
+            return ""
+        self.stalled = True
+        pids = tree_pids(self.proc) if self.proc.poll() is None else []
+        report = end_stalled(self.log_dir, pids, lambda: kill_tree(self.proc))
+        with self.lock:
+            self.lines.extend(report.splitlines())
+        return report

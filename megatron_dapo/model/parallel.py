@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_dapo.model import cpu_compat
 from megatron_dapo.model.arch import ModelArch
@@ -180,20 +183,71 @@ def env_place() -> tuple[int, int, int]:
     )
 
 
-def init_plain_world() -> tuple[int, int]:
+def _timeout(timeout_s: Optional[float]) -> dict[str, Any]:
+    """init_process_group's timeout argument (None: torch's default)."""
+    return {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+
+
+def init_plain_world(timeout_s: Optional[float] = None) -> tuple[int, int]:
     """torch.distributed's world from the environment, without Megatron's groups: the asynchronous rollout
     processes' (their loaders' collectives, their engines' groups; objects over gloo, CUDA tensors over NCCL). A lone
-    process starts none. Returns (rank, world size)."""
+    process starts none. timeout_s: every collective's (trainer.collective_timeout_s; None: torch's default).
+    Returns (rank, world size)."""
     rank, world_size, local_rank = env_place()
     if world_size > 1:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", **_timeout(timeout_s))
     return rank, world_size
 
 
-def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed: int) -> Layout:
-    """torch.distributed + Megatron process groups + Megatron's model-parallel RNG, from the environment."""
+def _group_names() -> dict[Any, str]:
+    """{process group: a name}: the world, Megatron's groups and vLLM's (of the libraries this process imported)."""
+    names: dict[Any, str] = {}
+    vllm = sys.modules.get("vllm.distributed.parallel_state")
+    for attr, value in vars(vllm).items() if vllm else ():
+        for kind in ("device_group", "cpu_group"):
+            if getattr(value, kind, None) is not None:
+                names[getattr(value, kind)] = f"vllm:{attr.strip('_').lower()}:{kind.split('_')[0]}"
+    megatron = sys.modules.get("megatron.core.parallel_state")
+    for attr, value in vars(megatron).items() if megatron else ():
+        for i, group in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(group, dist.ProcessGroup):
+                names.setdefault(group, f"megatron:{attr.strip('_').lower()}" + (f"[{i}]" if i else ""))
+    if dist.is_initialized():
+        names[dist.group.WORLD] = "world"
+    return names
+
+
+def group_timeout_s(group: Any) -> float:
+    """A process group's collective timeout, as its backend (gloo, NCCL) holds it; -1 where a backend does not say
+    (what is published is a record, never a reason to stop a run)."""
+    try:
+        return min(group._get_backend(d).options._timeout.total_seconds() for d in group._device_types)
+    except (AttributeError, RuntimeError):
+        return -1.0
+
+
+def arm_group_timeouts(timeout_s: float) -> dict[str, float]:
+    """Give every process group of this process (the world, Megatron's, vLLM's: those torch.distributed knows) the
+    run's collective timeout, once the last of them exists (after the engine is built: vLLM makes its own with
+    torch's default); returns and publishes (progress.STATE.groups) each one's timeout by name."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = _group_names()
+    armed = {}
+    for group, tag in list(c10d._world.pg_names.items()):
+        c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+        armed[names.get(group, f"group {tag}")] = group_timeout_s(group)
+    progress.STATE.groups.update(armed)
+    return armed
+
+
+def init_parallel(
+    arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed: int, timeout_s: Optional[float] = None
+) -> Layout:
+    """torch.distributed + Megatron process groups + Megatron's model-parallel RNG, from the environment; timeout_s:
+    every group's collective timeout (trainer.collective_timeout_s; None: torch's and Megatron's defaults)."""
     rank, world_size, local_rank = env_place()
     layout = check_layout(arch, par, model, world_size)  # before any allocation
     if torch.cuda.is_available():
@@ -206,7 +260,7 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         if world_size == 1:  # a lone process: its store binds a port of its own (0), so none can be taken first
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "0")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **_timeout(timeout_s))
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -218,6 +272,7 @@ def init_parallel(arch: ModelArch, par: ParallelConfig, model: ModelConfig, seed
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     model_parallel_cuda_manual_seed(seed)
     ranks = dict(

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.algorithm import correction_weight, loss_metrics, loss_normalizer, reduce_stats
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.config import Config
@@ -173,7 +174,10 @@ class MegatronPolicy:
         if self.routing is not None:
             self.routing.start_pass(routing, backward=not forward_only)
 
+        point = "logprob_batch" if forward_only else "micro_batch"  # progress.py's names: fault places count them
+
         def forward_step(data_iterator, model):
+            progress.point(point)
             mb = next(data_iterator)
             if self.routing is not None:
                 self.routing.feed(model, mb)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.config import Config
 from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.collectives import all_gather_objects
 from megatron_dapo.model.dtypes import torch_dtype
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.sharding import (
@@ -382,7 +383,6 @@ def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, layout: Layout) -
     Collective over the TP group (the expert-TP group for an expert's tensor; every rank of it calls it for the same
     name); a replicated tensor comes back as it is. The result is contiguous (gloo sends non-contiguous views wrong).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     t = local.detach().contiguous()
@@ -428,7 +428,6 @@ def weights_digest(full: Mapping[str, torch.Tensor], layout: Layout) -> str:
         h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
         mine[name] = h.hexdigest()
-    parts: list = [None] * layout.world_size
-    dist.all_gather_object(parts, mine)
+    parts = all_gather_objects(mine, "a rank's weight digests")
     merged = {k: v for part in parts for k, v in part.items()}
     return hashlib.sha256("".join(f"{n}:{merged[n]}\n" for n in names).encode()).hexdigest()

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo import progress
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.pipeline.rollout import build_rollout_parts
 from megatron_dapo.pipeline.transport import Transport, transport_backend
@@ -55,7 +56,7 @@ def run_rollout(cfg: Config) -> None:
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.datasets import PromptDataset
-    from megatron_dapo.model.parallel import env_place, init_plain_world
+    from megatron_dapo.model.parallel import arm_group_timeouts, env_place, init_plain_world
     from megatron_dapo.rollout.weight_transport import WeightReceiver
 
     rank, world, _ = env_place()
@@ -70,13 +71,15 @@ def run_rollout(cfg: Config) -> None:
     parts = None
     try:
         # its own torch.distributed world (several processes: the loaders' collectives, the engines' groups)
-        comm = Comm(*init_plain_world())
+        timeout_s = cfg.trainer.collective_timeout_s
+        comm = Comm(*init_plain_world(timeout_s))
         # never asleep: the engines here generate while the train side trains
         parts = build_rollout_parts(cfg, tokenizer, dataset, comm, enable_sleep_mode=False)
+        arm_group_timeouts(timeout_s)  # the engine's groups too (vLLM makes them with torch's default)
         held_out = None
         if cfg.eval.every:
             held_out = (parts.held_out, list(PromptDataset.from_config(cfg.data, tokenizer, split="val")))
-        batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg))
+        batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg), timeout_s)
         start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
         state = comm.broadcast_object(start["state"] if rank == 0 else None)
         loader = parts.loader
@@ -142,6 +145,7 @@ class RolloutController:
         self.weights: Optional[int] = None  # the version of the engines' weights (None: dummy weights)
         self.pauses: list[float] = []  # update pauses since the last batch handed out
         self.e2e: list[float] = []
+        self.timeout_s = cfg.trainer.collective_timeout_s  # the longest wait for the train side
 
     def run(self) -> None:
         """Until the train side sets stop (or a batch could not be collected and its error was handed out)."""
@@ -151,6 +155,7 @@ class RolloutController:
             while True:
                 # the next batch only while the batches collected and not trained stay within eta
                 self._wait(lambda: self.loader.version - self.weights <= self.eta)
+                progress.set_phase("collect", step=self.loader.version + 1)  # the step this batch trains
                 try:
                     batch = self.loader.next_batch()
                 except DynamicSamplingError as e:  # the trainer raises it: one error line, as colocated
@@ -179,10 +184,21 @@ class RolloutController:
         self._service(boundary=True)
 
     def _wait(self, done: Any) -> None:
-        """At a batch boundary: serve the train side until done()."""
-        while not done():
-            if not self._service(boundary=True):
-                time.sleep(self.POLL_S)
+        """At a batch boundary: serve the train side until done(), at most trainer.collective_timeout_s without its
+        asking for anything (TimeoutError)."""
+        deadline = time.monotonic() + self.timeout_s
+        with progress.waiting("the train side"):
+            while not done():
+                if self._service(boundary=True):
+                    deadline = time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rollout controller: the train side asked for nothing within trainer.collective_timeout_s="
+                        f"{self.timeout_s:g} s (the next batch is {self.served}; the engines hold weights "
+                        f"{'none' if self.weights is None else self.weights})"
+                    )
+                else:
+                    time.sleep(self.POLL_S)
 
     def _service(self, boundary: bool = False) -> bool:
         """Hand out a wanted batch, then apply an update that has arrived, as rank 0 planned, then (at a batch
@@ -231,7 +247,8 @@ class RolloutController:
                 f"rollout controller: expected weight update {expected} (the engine holds "
                 f"{'none' if self.weights is None else self.weights}), the train side sent {version}"
             )
-        pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
+        with progress.phase("weight update"):
+            pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
         self.weights = version
         self.loader.weights_updated(version)  # tokens are tagged with it from here on
         self.pauses.append(self.comm.max([pause["pause_s"]])[0])  # the slowest engine's
@@ -245,7 +262,8 @@ class RolloutController:
         """The held-out evaluation of the engines' weights (every rank), handed to the train side (rank 0)."""
         evaluator, prompts = self.held_out
         e = self.eval_cfg
-        metrics = evaluator.evaluate(prompts, e.k, e.temperature, e.top_p, self.eval_tokens)
+        with progress.phase("evaluate"):
+            metrics = evaluator.evaluate(prompts, e.k, e.temperature, e.top_p, self.eval_tokens)
         if self.leader:
             self.store.set("dapo/evaluated", str(self.eval_pending))
             self.batches.broadcast_object({"eval": metrics, "version": self.eval_pending}, src=0)

@@ -8,6 +8,7 @@ import contextlib
 import time
 from typing import Any, Callable, Optional
 
+from megatron_dapo import progress
 from megatron_dapo.config import ConfigError
 from megatron_dapo.pipeline.transport import Transport
 from megatron_dapo.sampling.exchange import SampleId
@@ -23,11 +24,12 @@ class RemoteRollout:
     POLL_S = 0.005
     """How often a train rank waiting for a batch looks at the store."""
 
-    def __init__(self, transport: Transport, rank: int, rollout_procs: int, backend: str) -> None:
+    def __init__(self, transport: Transport, rank: int, rollout_procs: int, backend: str, timeout_s: float) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
 
         self.rank = rank  # this process's train rank
-        self.batches, weights = transport.connect("train", rank, rollout_procs, backend)
+        self.timeout_s = timeout_s  # trainer.collective_timeout_s: the longest this side waits for the other
+        self.batches, weights = transport.connect("train", rank, rollout_procs, backend, timeout_s)
         self.store = self.batches.store
         self.sender = WeightSender(weights)
         self.state: Optional[dict[str, Any]] = None
@@ -43,8 +45,9 @@ class RemoteRollout:
 
     def start(self) -> None:
         """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
-        self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
-        reply = self.batches.broadcast_object(None, src=0)
+        with progress.waiting("the rollout side (its start)"):
+            self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
+            reply = self.batches.broadcast_object(None, src=0)
         self.sender.weight_format, self.batch = reply["weight_format"], reply["batch"]
 
     def next_batch(self) -> StepBatch:
@@ -52,10 +55,13 @@ class RemoteRollout:
         t0 = time.perf_counter()
         if self.rank == 0:
             self.store.set("dapo/want", str(self.batch))
-        while not self.store.check(["dapo/ready"]) or int(self.store.get("dapo/ready")) < self.batch:
-            self._no_unasked_evaluation()
-            time.sleep(self.POLL_S)  # no collective timeout while the batch is collected
-        reply = self.batches.broadcast_object(None, src=0)
+        with progress.waiting(f"the rollout side (batch {self.batch})"):
+            self._poll(
+                lambda: self.store.check(["dapo/ready"]) and int(self.store.get("dapo/ready")) >= self.batch,
+                f"batch {self.batch}",
+                self._no_unasked_evaluation,
+            )
+            reply = self.batches.broadcast_object(None, src=0)
         self.batch += 1
         if "error" in reply:
             raise DynamicSamplingError(reply["error"])
@@ -79,8 +85,21 @@ class RemoteRollout:
             self.store.set("dapo/update", f"{version} {time.time()!r} {int(evaluate)}")
         self.evaluating = version if evaluate else None
         self.sender.begin(version)
-        metrics = bridge.sync(self.sender)
+        metrics = bridge.sync(self.sender, version)
         return {**metrics, **self.sender.stats}
+
+    def _poll(self, ready: Callable[[], bool], what: str, check: Callable[[], None] = lambda: None) -> None:
+        """Look at the store until ready() (and check() each time), at most trainer.collective_timeout_s
+        (TimeoutError naming what)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the rollout side did not hand over {what} within trainer.collective_timeout_s={self.timeout_s:g} "
+                    "s (its processes' own errors, if any, are in the log)"
+                )
+            time.sleep(self.POLL_S)
 
     def _no_unasked_evaluation(self) -> None:
         """An evaluation the train side did not mark waits in the controller's broadcast for a receiver that never
@@ -100,9 +119,14 @@ class RemoteRollout:
         """The rollout side's held-out evaluation of the weights last sent (sync(..., evaluate=True))."""
         if self.evaluating is None:
             raise RuntimeError("held_out() without weights sent for evaluation")
-        while not self.store.check(["dapo/evaluated"]) or int(self.store.get("dapo/evaluated")) < self.evaluating:
-            time.sleep(self.POLL_S)  # the controller evaluates at its next batch boundary
-        reply = self.batches.broadcast_object(None, src=0)
+        with progress.waiting(f"the rollout side (the evaluation of update {self.evaluating})"):
+            self._poll(  # the controller evaluates at its next batch boundary
+                lambda: (
+                    self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) >= self.evaluating
+                ),
+                f"the held-out evaluation of update {self.evaluating}",
+            )
+            reply = self.batches.broadcast_object(None, src=0)
         if reply.get("version") != self.evaluating:
             raise RuntimeError(f"rollout controller: expected the evaluation of {self.evaluating}, got {reply!r}")
         self.evaluated, self.evaluating = self.evaluating, None

@@ -146,7 +146,7 @@ class ColocatedRollout:
     def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
         """The weights into this rank's engine (a sleeping engine wakes its weights for the update), then its KV
         cache for the next rollout; the evaluation waits for held_out(), in this process."""
-        metrics = bridge.sync(self.parts.engine)
+        metrics = bridge.sync(self.parts.engine, version)
         self.parts.engine.wake()
         return metrics
 
@@ -202,5 +202,11 @@ def make_rollout(cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> Rollo
         from megatron_dapo.pipeline.remote import RemoteRollout
         from megatron_dapo.pipeline.transport import Transport, transport_backend
 
-        return RemoteRollout(Transport.from_env(), comm.rank, cfg.pipeline.rollout_gpus, transport_backend(cfg))
+        return RemoteRollout(
+            Transport.from_env(),
+            comm.rank,
+            cfg.pipeline.rollout_gpus,
+            transport_backend(cfg),
+            cfg.trainer.collective_timeout_s,
+        )
     return ColocatedRollout(cfg, tokenizer, dataset, comm)

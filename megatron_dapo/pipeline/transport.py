@@ -40,10 +40,10 @@ class Transport:
             )
         return Transport(host, int(port), int(procs))
 
-    def connect(self, role: str, rank: int, rollout_procs: int, backend: str) -> tuple[Any, Any]:
+    def connect(self, role: str, rank: int, rollout_procs: int, backend: str, timeout_s: float) -> tuple[Any, Any]:
         """(batches group, weights group) for rank `rank` of side `role` (rollout or train), None where it is not a
         member: batches = the controller (rollout rank 0) and every train rank; weights = every rollout rank (each
-        drives an engine) and train rank 0, the sender."""
+        drives an engine) and train rank 0, the sender. timeout_s: trainer.collective_timeout_s, for both."""
         from megatron_dapo.rollout.weight_transport import TransportGroup
 
         if role == "rollout":
@@ -52,9 +52,13 @@ class Transport:
             in_batches, in_weights = rank + 1, (rollout_procs if rank == 0 else None)
         batches = weights = None
         if in_batches is not None:
-            batches = TransportGroup.connect(self.host, self.port, in_batches, 1 + self.train_procs, "gloo")
+            batches = TransportGroup.connect(
+                self.host, self.port, in_batches, 1 + self.train_procs, "gloo", timeout_s, "batches"
+            )
         if in_weights is not None:
-            weights = TransportGroup.connect(self.host, self.port + 1, in_weights, rollout_procs + 1, backend)
+            weights = TransportGroup.connect(
+                self.host, self.port + 1, in_weights, rollout_procs + 1, backend, timeout_s, "weights"
+            )
         return batches, weights
 
 

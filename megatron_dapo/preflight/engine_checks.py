@@ -101,7 +101,7 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
         load_format="dummy",
         quantization=quantization,
     )
-    bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes)
+    bridge = WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest)
 
     def parity() -> tuple[float, float, int]:
         """|engine logprob - Megatron logprob| over every sampled token: mean, max, tokens."""

@@ -6,7 +6,7 @@ The trainer's cycle per rollout step, colocated on the same devices as the polic
     engine.sleep()                                                                       # free memory
     ... train the policy ...
     for bucket in bridge.buckets():                                                      # weight sync
-        engine.update_weights(bucket)
+        engine.update_weights(bucket, digest)                          # digest: the bytes' checksum as sent
     engine.finish_weight_update()
     engine.wake()
 
@@ -84,8 +84,9 @@ class RolloutEngine(Protocol):
         """Restore what sleep() freed; the engine can generate again."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Receive (part of) new policy weights: Hugging Face-named full (unsharded) tensors."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], digest: str | None = None) -> None:
+        """Receive (part of) new policy weights: Hugging Face-named full (unsharded) tensors; digest: the sender's
+        weight_transport.bucket_digest of them, checked before anything is loaded (None: unchecked)."""
         ...
 
     def finish_weight_update(self) -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
-
+from megatron_dapo.model.collectives import all_gather_objects, broadcast_object
 from megatron_dapo.reward import RewardBatch
 from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
 from megatron_dapo.types import Prompt, Response
@@ -37,8 +36,8 @@ class ShardedScorer:
         if world == 1:
             return self.pool.score(responses, ground_truths, data_sources)
         lo, hi = len(responses) * rank // world, len(responses) * (rank + 1) // world
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, self.pool.score(responses[lo:hi], ground_truths[lo:hi], data_sources[lo:hi]))
+        mine = self.pool.score(responses[lo:hi], ground_truths[lo:hi], data_sources[lo:hi])
+        parts = all_gather_objects(mine, "a rank's scores of held-out responses")
         return RewardBatch(
             scores=[x for p in parts for x in p.scores],
             acc=[x for p in parts for x in p.acc],
@@ -103,7 +102,7 @@ class HeldOutEval:
 
         The engine seeds sample j of prompt i of its share seed + i*n + j, and a share starting at
         prompt lo gets seed + lo*n: a function of the global position, so the samples do not depend
-        on the number of engines. Every response goes (pickled) from its engine to every rank: fine
+        on the number of engines. Every response goes (as an object) from its engine to every rank: fine
         for a held-out set; training rollouts take the streaming path, which moves only what is trained.
         """
         bounds = [len(prompts) * e // self.num_engines for e in range(self.num_engines + 1)]
@@ -122,8 +121,6 @@ class HeldOutEval:
         if self.num_engines == 1:  # every rank is part of the one engine and holds its output
             return mine
         groups: list[list[Response]] = []
-        for e in range(self.num_engines):
-            box = [mine]
-            dist.broadcast_object_list(box, src=e * self.tp)  # from the engine's first rank
-            groups.extend(box[0])
+        for e in range(self.num_engines):  # from each engine's first rank
+            groups.extend(broadcast_object(mine, e * self.tp, f"held-out responses of engine {e}"))
         return groups

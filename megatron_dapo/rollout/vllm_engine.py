@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo import progress
 from megatron_dapo.choices import ROLLOUT_QUANTIZATIONS
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
@@ -62,6 +63,20 @@ from megatron_dapo.rollout.vllm_weights import WeightSyncMixin
 from megatron_dapo.rollout.weight_update import WeightState
 
 logger = logging.getLogger(__name__)
+
+
+def _count_steps(llm: Any) -> None:
+    """Every engine step is a progress point (progress.py, the stall watchdog's): the streaming path's steps and the
+    ones vLLM's batch generate() takes in its own loop, which only calls llm_engine.step."""
+    engine = llm.llm_engine
+    step = engine.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        progress.point("engine_step")
+        return step(*args, **kwargs)
+
+    engine.step = counted
+
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM logprobs mode: logprobs of the temperature-scaled, top-k/top-p-masked distribution that was sampled."""
@@ -245,6 +260,7 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
                 gc.freeze()
                 llm = LLM(**engine_kwargs)
                 self._rng_state = sampler_rng_state()  # vLLM has just seeded the generators with its seed
+                _count_steps(llm)
                 return llm
         except Exception as e:
             raise RuntimeError(

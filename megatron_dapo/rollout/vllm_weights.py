@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.rollout.quantize import fp8_shapes
+from megatron_dapo.rollout.weight_transport import check_digest
 from megatron_dapo.rollout.weight_update import WeightEvent, WeightState, next_state
 
 _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -148,12 +149,14 @@ class WeightSyncMixin:
 
     # ---------------------------------------------------------------- weight updates
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], digest: str | None = None) -> None:
         """Receive Hugging Face-named full tensors: the whole state dict at once, or one bucket per call.
 
         When every tensor of the checkpoint has arrived the update applies by itself; finish_weight_update()
         applies it explicitly (and raises naming what is missing). Names and shapes are checked against the
-        checkpoint's safetensors headers before anything is loaded.
+        checkpoint's safetensors headers before anything is loaded, and with a digest (the sender's bucket_digest)
+        the bytes as received (CPU: the engine's own copies) are checked against it: a bucket that differs spoils
+        the update, nothing of it is loaded.
         CPU: tensors are copied and held until the set is complete, then loaded in one full reload (the engine
         keeps generating with the old weights if the set never completes). GPU: each call is
         loaded at once with the model's load_weights (the engine holds the new and old weights mixed until
@@ -166,17 +169,21 @@ class WeightSyncMixin:
             raise RuntimeError(f"vLLM engine for model {self.model_path!r} is unusable: {self._broken}")
         if self._update_t0 is None:
             self._update_t0 = time.perf_counter()
-        bucket = [(name, t) for name, t in named_tensors if not name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]
+        received = list(named_tensors)
+        bucket = [(name, t) for name, t in received if not name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]
+        if not self._load_per_bucket:  # a copy: the trainer may reuse or free its buffers before the set completes
+            received = [(name, t.detach().to("cpu", copy=True)) for name, t in received]
+            bucket = [(name, t) for name, t in received if not name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]
         try:
             self._check_tensors(bucket)
-        except ValueError:
+            check_digest(received, digest, f"a bucket of {len(received)} tensors")
+        except (ValueError, RuntimeError):
             self._drop_update()  # a bad tensor spoils the whole update
             raise
         if self._load_per_bucket:
             self._load_bucket_gpu(bucket)
         else:
-            for name, t in bucket:  # a copy: the trainer may reuse or free its buffers before the set completes
-                self._pending[name] = t.detach().to("cpu", copy=True)
+            self._pending.update(bucket)
         if self._expected is not None and not self._missing():
             self.finish_weight_update()
 

@@ -16,6 +16,9 @@ tensor in flight.
 An engine that takes quantized weights says so in its `weight_format` (rollout/quantize.py): each
 tensor is then encoded on the fly as it joins its bucket (FP8: the weight plus its scales, or the
 FP8-rounded weight dequantized), so quantizing never holds more than one tensor either.
+
+Each bucket goes with its digest (weight_transport.bucket_digest of the bytes sent); the engine side computes it
+again over what it received and refuses a bucket that differs before anything of it is loaded.
 """
 
 from __future__ import annotations
@@ -26,22 +29,26 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
 from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatron_to_hf
 from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.collectives import all_gather_objects
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
 from megatron_dapo.model.sharding import expert_of
 from megatron_dapo.rollout.quantize import encode
-from megatron_dapo.rollout.weight_transport import Bucket
+from megatron_dapo.rollout.weight_transport import Bucket, bucket_digest, corrupted
 
 
 class WeightBridge:
     """Streams a Megatron model (any TP/PP layout) as Hugging Face-named full tensors."""
 
-    def __init__(self, model_chunks: list, arch: ModelArch, layout: Layout, bucket_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, model_chunks: list, arch: ModelArch, layout: Layout, bucket_bytes: int = 1 << 30, digest: bool = True
+    ) -> None:
         from megatron.core import parallel_state
 
-        self.arch, self.layout, self.bucket_bytes = arch, layout, bucket_bytes
+        self.arch, self.layout, self.bucket_bytes, self.digest = arch, layout, bucket_bytes, digest
         self.params = {}
         for slot in local_slots(model_chunks, arch, layout.ep_rank):
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
@@ -50,9 +57,8 @@ class WeightBridge:
         # Which pipeline rank owns each tensor, and its dtype: learnt once, by exchanging what each stage holds, so
         # the other stages can allocate receive buffers.
         mine = sorted((name, str(p.dtype).removeprefix("torch.")) for name, p in self.params.items())
-        held: list = [None] * layout.pp
         if layout.pp > 1:
-            dist.all_gather_object(held, mine, group=self.pp_group)
+            held = all_gather_objects(mine, "the tensors each pipeline stage holds", group=self.pp_group)
         else:
             held = [mine]
         self.owner: dict[str, int] = {}
@@ -123,15 +129,22 @@ class WeightBridge:
         if bucket:
             yield bucket
 
-    def sync(self, engine) -> dict[str, float]:
-        """Stream every bucket into engine.update_weights, encoded in the engine's weight_format (default "none");
-        returns seconds, GB and GB/s of this sync, and the seconds spent quantizing."""
+    def sync(self, engine, version: int = 0) -> dict[str, float]:
+        """Stream every bucket into engine.update_weights(bucket, digest), encoded in the engine's weight_format
+        (default "none"); version: the policy version these weights are (the fault places name it). Returns seconds,
+        GB and GB/s of this sync, the seconds spent quantizing and computing digests."""
         t0 = time.perf_counter()
         total = 0
         buckets = 0
-        self._encode_seconds = 0.0
+        self._encode_seconds = digest_seconds = 0.0
         for bucket in self.buckets(getattr(engine, "weight_format", "none")):
-            engine.update_weights(bucket)
+            t1 = time.perf_counter()
+            digest = bucket_digest(bucket) if self.digest and getattr(engine, "takes_digest", True) else None
+            digest_seconds += time.perf_counter() - t1
+            if progress.fault("sync", version, buckets):  # DAPO_FAULT=corrupt:sync:V:B, after the digest
+                bucket = corrupted(bucket)
+            engine.update_weights(bucket, digest)
+            progress.point("bucket")
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             buckets += 1
         engine.finish_weight_update()  # an incomplete update fails here, not at the next generate()
@@ -142,5 +155,6 @@ class WeightBridge:
             "weight_sync/gb_per_s": total / 1e9 / seconds if seconds > 0 else 0.0,
             "weight_sync/buckets": float(buckets),
             "weight_sync/quantize_seconds": self._encode_seconds,
+            "weight_sync/digest_seconds": digest_seconds,
         }
         return self.last_sync

@@ -17,22 +17,23 @@ arrive without holding the model twice:
     rollout rank:   version = receiver.begin()
                     engine.update_weights_in_flight(receiver.tensors(), version, recompute_kv)
 
-On the wire, per update: a header {"version", "weight_format"}; per bucket a list of (name, dtype, shape) then one
-flat uint8 buffer holding the bucket's tensors back to back, each 16-byte aligned (any dtype, FP8 too, travels as
-its bytes); then an empty list. An object travels pickled, as its length then its bytes.
+On the wire, per update: a header {"version", "weight_format"}; per bucket {"tensors": [(name, dtype, shape)],
+"digest": the bridge's bucket_digest or None} then one flat uint8 buffer holding the bucket's tensors back to back,
+each 16-byte aligned (any dtype, FP8 too, travels as its bytes); then {"tensors": []}. An object travels as its
+length then its bytes, read by the restricted unpickler (megatron_dapo/safe_pickle.py). The receiver compares each
+bucket's digest with the bytes that arrived before the engine sees any of them.
 
-A crash inside an update can be asked for: with DAPO_FAULT=send:V:B (or receive:V:B) the train rank that sends (a
-rollout rank that receives) kills itself with SIGKILL once bucket B of update V is sent (applied): the resilience
-tests' kill -9 mid-weight-update, at a point no signal sent from outside could aim at.
+A failure inside an update can be asked for (progress.py, DAPO_FAULT): `send:V:B` on the train rank that sends,
+`receive:V:B` on a rollout rank once its engine has taken bucket B of update V: the resilience tests' kill -9 or
+SIGSTOP mid-weight-update, at a point no signal sent from outside could aim at.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
-import os
-import pickle
-import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -40,17 +41,80 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress, safe_pickle
+from megatron_dapo.model.collectives import broadcast_bytes
+
 Bucket = list[tuple[str, torch.Tensor]]
 """Hugging Face (name, full tensor) pairs: what WeightBridge yields and a sender sends, one buffer at a time."""
 
+_PRIME = (1 << 61) - 1
+_WEIGHT_PERIOD = 65521  # the largest prime below 2**16: a word's weight is its position modulo this, plus 1
+_CHUNK = _WEIGHT_PERIOD * 32  # words per pass (< 2**21: its sums < 2**52, exact in float64), a multiple of the period
+_cpu_buffers = threading.local()  # per thread: a pass writes into its buffer
 
-FAULT_ENV = "DAPO_FAULT"
+
+def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the position weights, a pass's words) as float64: CPU keeps them (fresh host memory is slow to touch, ~5x
+    here), a GPU's caching allocator makes them cheap to ask for again."""
+    kept = getattr(_cpu_buffers, "made", None)
+    if device.type == "cpu" and kept is not None and kept[0].numel() == _CHUNK:
+        return kept
+    weights = (torch.arange(_CHUNK, dtype=torch.int64, device=device) % _WEIGHT_PERIOD + 1).to(torch.float64)
+    made = (weights, torch.empty(_CHUNK, dtype=torch.float64, device=device))
+    if device.type == "cpu":
+        _cpu_buffers.made = made
+    return made
 
 
-def _fault_point(where: str, version: int, bucket: int) -> None:
-    """SIGKILL this process here if DAPO_FAULT asks for it (no handler runs, nothing is flushed: a crash)."""
-    if os.environ.get(FAULT_ENV) == f"{where}:{version}:{bucket}":
-        os.kill(os.getpid(), signal.SIGKILL)
+def bucket_digest(bucket: Bucket) -> str:
+    """A checksum of a bucket as it crosses: each tensor's name, dtype, shape and bytes, in order. The bytes, as signed
+    16-bit words w_i, give sum(w_i) and sum(w_i * (i mod 65521 + 1)) modulo 2**61 - 1, computed where the tensor is
+    (no copy to the host; a pass's sums are below 2**52, exact in float64): any changed word, and words moved within
+    a tensor, change it. A check against damage in transit or loading, not against tampering. 32 hex digits."""
+    h = hashlib.blake2b(digest_size=16)
+    sums = []
+    for name, t in bucket:
+        h.update(f"{name}|{_dtype_name(t.dtype)}|{tuple(t.shape)};".encode())
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if raw.numel() % 2:
+            raw = torch.cat([raw, raw.new_zeros(1)])
+        words = raw.view(torch.int16)
+        weights, buffer = _buffers(words.device)
+        s1 = torch.zeros((), dtype=torch.int64, device=words.device)
+        s2 = torch.zeros((), dtype=torch.int64, device=words.device)
+        for start in range(0, words.numel(), _CHUNK):
+            n = min(_CHUNK, words.numel() - start)
+            w = buffer[:n]
+            w.copy_(words[start : start + n])
+            s1 = (s1 + w.sum().to(torch.int64)) % _PRIME
+            s2 = (s2 + torch.dot(w, weights[:n]).to(torch.int64)) % _PRIME
+        sums.append(torch.stack([s1, s2]))
+    if sums:
+        h.update(repr(torch.stack(sums).cpu().tolist()).encode())  # one copy to the host per bucket
+    return h.hexdigest()
+
+
+def check_digest(bucket: Bucket, sent: Optional[str], where: str) -> None:
+    """Raise (naming the bucket's first tensor) unless the bucket that arrived has the digest it was sent with (None:
+    the sender sent none)."""
+    if sent is None:
+        return
+    got = bucket_digest(bucket)
+    if got != sent:
+        first = bucket[0][0] if bucket else "(none)"
+        raise RuntimeError(
+            f"weight sync: {where} arrived damaged: its first tensor '{first}' of {len(bucket)}, digest {got} "
+            f"where {sent} was sent; nothing of it was loaded"
+        )
+
+
+def corrupted(bucket: Bucket) -> Bucket:
+    """The bucket with one bit of its first tensor flipped (a copy: the model keeps its weights): DAPO_FAULT's
+    corrupt action, what a bad link or a wrong load would do."""
+    (name, first), rest = bucket[0], bucket[1:]
+    damaged = first.detach().clone()
+    damaged.reshape(-1).view(torch.uint8)[0] ^= 1
+    return [(name, damaged), *rest]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -69,17 +133,33 @@ class TransportGroup:
         self.pg, self.rank, self.size, self.device, self.store = pg, rank, size, device, store
 
     @staticmethod
-    def connect(host: str, port: int, rank: int, size: int, backend: str = "gloo", timeout_s: float = 600.0):
-        """Rank 0 listens on host:port, the others connect; blocks until all `size` have joined."""
+    def connect(
+        host: str, port: int, rank: int, size: int, backend: str = "gloo", timeout_s: float = 600.0, name: str = ""
+    ):
+        """Rank 0 listens on host:port, the others connect; blocks until all `size` have joined. timeout_s bounds
+        the joining and every collective after it (trainer.collective_timeout_s); name: the group in progress's
+        list of armed groups ("transport:NAME")."""
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-            return TransportGroup(pg, rank, size, torch.device("cpu"), store)
-        if backend == "nccl":
+            group = TransportGroup(pg, rank, size, torch.device("cpu"), store)
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # unset, NCCL's group would keep its own default
             device = torch.device("cuda", torch.cuda.current_device())
-            return TransportGroup(dist.ProcessGroupNCCL(store, rank, size), rank, size, device, store)
-        raise ValueError(f"weight transport backend {backend!r}: expected 'gloo' or 'nccl'")
+            group = TransportGroup(dist.ProcessGroupNCCL(store, rank, size, options), rank, size, device, store)
+        else:
+            raise ValueError(f"weight transport backend {backend!r}: expected 'gloo' or 'nccl'")
+        progress.STATE.groups[f"transport:{name or port}"] = group.timeout_s()
+        return group
+
+    def timeout_s(self) -> float:
+        """The group's collective timeout, as its backend holds it (-1 where it does not say)."""
+        try:
+            return self.pg.options._timeout.total_seconds()
+        except AttributeError:
+            return -1.0
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -87,15 +167,12 @@ class TransportGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def broadcast_object(self, obj, src: int):
-        """obj from src (ignored elsewhere), to every rank: its pickle's length, then its bytes."""
-        data = pickle.dumps(obj) if self.rank == src else b""
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.broadcast(n, src)
-        buf = torch.empty(int(n), dtype=torch.uint8, device=self.device)
-        if self.rank == src:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast(buf, src)
-        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
+        """obj from src (ignored elsewhere), to every rank: its pickle's length, then its bytes, read by the
+        restricted unpickler (a pickle naming anything but plain data and the project's records is refused)."""
+        is_src = self.rank == src
+        data = broadcast_bytes(safe_pickle.dumps(obj) if is_src else None, is_src, lambda t: self.broadcast(t, src),
+                               self.device)  # fmt: skip
+        return obj if is_src else safe_pickle.loads(data, f"an object from rank {src} of the transport group")
 
 
 class WeightSender:
@@ -107,6 +184,11 @@ class WeightSender:
         self.version: Optional[int] = None
         self.stats: dict[str, float] = {}
 
+    @property
+    def takes_digest(self) -> bool:
+        """Whether the bridge should compute each bucket's digest for this sender: only where it sends."""
+        return self.group is not None
+
     def begin(self, version: int) -> None:
         """Open the next update: the weights that follow are policy version `version`."""
         if self.version is not None:
@@ -115,8 +197,9 @@ class WeightSender:
         if self.group is not None:
             self.group.broadcast_object({"version": version, "weight_format": self.weight_format}, self.group.rank)
 
-    def update_weights(self, bucket: Bucket) -> None:
-        """One bucket of full Hugging Face tensors (the bridge's), sent as its names and one flat buffer."""
+    def update_weights(self, bucket: Bucket, digest: Optional[str] = None) -> None:
+        """One bucket of full Hugging Face tensors (the bridge's), sent as its names, its digest (bucket_digest, which
+        the receivers check; None: unchecked) and one flat buffer."""
         if self.version is None:
             raise RuntimeError("WeightSender.update_weights() before begin(version)")
         if self.group is None or not bucket:
@@ -125,7 +208,7 @@ class WeightSender:
             if _dtype_name(t.dtype) not in _DTYPES:
                 raise ValueError(f"weight transport: tensor '{name}' has dtype {t.dtype}; sends {sorted(_DTYPES)}")
         specs = [(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]
-        self.group.broadcast_object(specs, self.group.rank)
+        self.group.broadcast_object({"tensors": specs, "digest": digest}, self.group.rank)
         size = sum(_padded(t.numel() * t.element_size()) for _, t in bucket)
         flat = torch.zeros(size, dtype=torch.uint8, device=self.group.device)
         at = 0
@@ -134,7 +217,8 @@ class WeightSender:
             flat[at : at + raw.numel()].copy_(raw)
             at += _padded(raw.numel())
         self.group.broadcast(flat, self.group.rank)
-        _fault_point("send", self.version, self._buckets)
+        progress.point("bucket")
+        progress.fault("send", self.version, self._buckets)
         self._bytes += flat.numel()
         self._buckets += 1
 
@@ -143,7 +227,7 @@ class WeightSender:
         if self.version is None:
             raise RuntimeError("WeightSender.finish_weight_update() before begin(version)")
         if self.group is not None:
-            self.group.broadcast_object([], self.group.rank)
+            self.group.broadcast_object({"tensors": []}, self.group.rank)
         seconds = time.perf_counter() - self._t0
         self.stats = {
             "weight_transport/seconds": seconds,
@@ -176,19 +260,23 @@ class WeightReceiver:
         """The update's tensors in the sender's order, one bucket received at a time; ends with the update."""
         if not self._open:
             raise RuntimeError("WeightReceiver.tensors() before begin()")
-        for bucket in itertools.count():
-            specs = self.group.broadcast_object(None, self.src)
+        for index in itertools.count():
+            message = self.group.broadcast_object(None, self.src)
+            specs = message["tensors"]
             if not specs:
                 self._open = False
                 return
             sizes = [_DTYPES[d].itemsize * math.prod(shape) for _, d, shape in specs]
             flat = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(flat, self.src)
-            at = 0
+            bucket, at = [], 0
             for (name, d, shape), n in zip(specs, sizes):
-                yield name, flat[at : at + n].view(_DTYPES[d]).reshape(shape)
+                bucket.append((name, flat[at : at + n].view(_DTYPES[d]).reshape(shape)))
                 at += _padded(n)
-            _fault_point("receive", self.version, bucket)  # the engine has taken this bucket's tensors
+            check_digest(bucket, message["digest"], f"bucket {index} of weight update {self.version}")
+            yield from bucket
+            progress.point("bucket")
+            progress.fault("receive", self.version, index)  # the engine has taken this bucket's tensors
 
 
 def _padded(nbytes: int) -> int:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import progress
+from megatron_dapo.model import collectives
 from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
@@ -42,6 +44,10 @@ class Comm:
         rows are padded with zero columns (one gather of the shapes, one of the rows)."""
         if self.world == 1:
             return rows
+        with progress.waiting("the other ranks (their group summaries)"):
+            return self._all_gather_rows(rows)
+
+    def _all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         shape = torch.tensor([rows.shape[0], rows.shape[1]], dtype=torch.int64, device=self.device)
         shapes = [torch.zeros_like(shape) for _ in range(self.world)]
         dist.all_gather(shapes, shape)
@@ -60,24 +66,24 @@ class Comm:
         """Element-wise sum over ranks."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.world > 1:
-            dist.all_reduce(t)
+            with progress.waiting("the other ranks (a sum)"):
+                dist.all_reduce(t)
         return t.cpu().tolist()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """obj from rank src (ignored elsewhere) on every rank (pickled)."""
+        """obj from rank src (ignored elsewhere) on every rank (model/collectives.py: read by the restricted
+        unpickler)."""
         if self.world == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        with progress.waiting("the other ranks (an object broadcast)"):
+            return collectives.broadcast_object(obj, src, what=f"an object broadcast by rank {src}")
 
     def gather_objects(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
-        """Every rank's obj, in rank order, on rank dst (pickled); None elsewhere."""
+        """Every rank's obj, in rank order, on rank dst; None elsewhere (read by the restricted unpickler)."""
         if self.world == 1:
             return [obj]
-        out: Optional[list[Any]] = [None] * self.world if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
-        return out
+        with progress.waiting("the other ranks (an object gather)"):
+            return collectives.gather_objects(obj, dst, what=f"an object gathered on rank {dst}")
 
     def host_groups(self, size: int) -> tuple[Any, Any]:
         """Two gloo groups for signals that must not queue behind (or between) an engine's NCCL work: the whole
@@ -101,14 +107,16 @@ class Comm:
     def broadcast_flag(flag: bool, group: Any) -> bool:
         """The flag of the first rank of `group` (host_groups' block) on every rank of it."""
         t = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.broadcast(t, group=group, group_src=0)
+        with progress.waiting("the engine's first rank (a flag)"):
+            dist.broadcast(t, group=group, group_src=0)
         return bool(t.item())
 
     def max(self, values: Sequence[float]) -> list[float]:
         """Element-wise max over ranks."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            with progress.waiting("the other ranks (a max)"):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
 
@@ -270,8 +278,9 @@ def deliver(
     for peer, payload in sends:
         handles += [dist.isend(t, peer) for t in payload]
         sent += sum(t.numel() * t.element_size() for t in payload)
-    for h in handles:
-        h.wait()
+    with progress.waiting("the other ranks (responses moving to where they train)"):
+        for h in handles:
+            h.wait()
     for inc, bufs in recvs:
         tokens, logps, at, row = bufs[0].cpu().tolist(), bufs[1].cpu(), 0, 0
         all_routes = bufs[2].cpu() if routes is not None else None

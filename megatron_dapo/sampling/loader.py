@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
+from megatron_dapo import progress
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 from megatron_dapo.sampling.exchange import Comm, gather_metas, gather_stopped
@@ -235,7 +236,8 @@ class DynamicSamplingLoader:
                 break
             self._step_engines()
             self.free_steps += 1
-        arrived.wait()
+        with progress.waiting("the other ranks (the end of their tick)"):
+            arrived.wait()
 
     def _in_flight(self) -> bool:
         return any(e.in_flight() for e in self.engines.values())
