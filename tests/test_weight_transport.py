@@ -158,7 +158,7 @@ def test_the_bucket_digest_is_its_formula_and_changes_with_any_bit_or_order(seed
     import megatron_dapo.rollout.weight_transport as wt
     from megatron_dapo.rollout.weight_transport import bucket_digest
 
-    monkeypatch.setattr(wt, "_CHUNK", 2 * _PERIOD)
+    monkeypatch.setitem(wt._CHUNK, "cpu", 2 * _PERIOD)
     g = torch.Generator().manual_seed(seed)
     bucket = [
         ("big.weight", torch.randn(5 * _PERIOD + 3, generator=g)),  # three passes, the last one short

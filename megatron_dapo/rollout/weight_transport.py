@@ -49,18 +49,22 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 _PRIME = (1 << 61) - 1
 _WEIGHT_PERIOD = 65521  # the largest prime below 2**16: a word's weight is its position modulo this, plus 1
-_CHUNK = _WEIGHT_PERIOD * 32  # words per pass (< 2**21: its sums < 2**52, exact in float64), a multiple of the period
+_CHUNK = {"cpu": _WEIGHT_PERIOD * 2, "cuda": _WEIGHT_PERIOD * 32}
+"""Words per pass, by device type: a multiple of the period (so any size gives the same digest) below 2**21 (its sums
+stay below 2**52, exact in float64). The host keeps its two float64 pass buffers (2 MiB), so its passes are short; a
+GPU's are long (each pass is a few kernel launches, and its allocator frees the buffers' 33 MiB to the cache)."""
 _cpu_buffers = threading.local()  # per thread: a pass writes into its buffer
 
 
 def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the position weights, a pass's words) as float64: CPU keeps them (fresh host memory is slow to touch, ~5x
     here), a GPU's caching allocator makes them cheap to ask for again."""
+    chunk = _CHUNK.get(device.type, _CHUNK["cuda"])
     kept = getattr(_cpu_buffers, "made", None)
-    if device.type == "cpu" and kept is not None and kept[0].numel() == _CHUNK:
+    if device.type == "cpu" and kept is not None and kept[0].numel() == chunk:
         return kept
-    weights = (torch.arange(_CHUNK, dtype=torch.int64, device=device) % _WEIGHT_PERIOD + 1).to(torch.float64)
-    made = (weights, torch.empty(_CHUNK, dtype=torch.float64, device=device))
+    weights = torch.arange(chunk, dtype=torch.float64, device=device).remainder_(_WEIGHT_PERIOD).add_(1)
+    made = (weights, torch.empty(chunk, dtype=torch.float64, device=device))
     if device.type == "cpu":
         _cpu_buffers.made = made
     return made
@@ -82,8 +86,8 @@ def bucket_digest(bucket: Bucket) -> str:
         weights, buffer = _buffers(words.device)
         s1 = torch.zeros((), dtype=torch.int64, device=words.device)
         s2 = torch.zeros((), dtype=torch.int64, device=words.device)
-        for start in range(0, words.numel(), _CHUNK):
-            n = min(_CHUNK, words.numel() - start)
+        for start in range(0, words.numel(), len(buffer)):
+            n = min(len(buffer), words.numel() - start)
             w = buffer[:n]
             w.copy_(words[start : start + n])
             s1 = (s1 + w.sum().to(torch.int64)) % _PRIME
