@@ -8,6 +8,8 @@ import pytest
 import torch
 from megatron_helpers import Job, random_batch, result, run_worker, save_case, tiny_hf_model
 
+from megatron_dapo.rollout.weight_transport import _CHUNK
+
 BUCKET = 70_000  # bytes: just over the embedding, so many buckets of a few tensors each
 LAYOUTS = {  # name: (family, tied, nproc, overrides)
     "tp1": ("qwen2", False, 1, []),
@@ -77,7 +79,8 @@ def test_a_tensor_larger_than_a_bucket_is_a_clear_error(ran):
 
 @pytest.mark.slow
 def test_sync_memory_stays_within_a_bucket_plus_the_largest_tensor(tmp_path, monkeypatch):
-    """Measured from the peak resident set of TP rank 0: the sync must never materialise the model."""
+    """Measured from the peak resident set of TP rank 0: the sync must never materialise the model (what it may add:
+    a bucket, the largest tensor, the bucket digest's pass buffers)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -101,8 +104,9 @@ def test_sync_memory_stays_within_a_bucket_plus_the_largest_tensor(tmp_path, mon
     got = run_worker(case, tmp_path / "out", 2, "--mode", "bridge", f"rollout.bucket_bytes={bucket}", "parallel.tp=2")
     largest = 2 * 1536 * 512 * 4  # fc1 (gate and up) in fp32
     slack = 16 << 20  # allocator and interpreter noise
+    digest = 2 * 8 * _CHUNK["cpu"]  # the bucket digest's two float64 pass buffers, kept by the thread
     assert got["model_bytes"] > 50 << 20  # this rank's half of the model
     print(
         f"sync added {got['peak_extra_bytes'] / 2**20:.1f} MiB at peak for a {got['model_bytes'] / 2**20:.0f} MiB model"
     )
-    assert got["peak_extra_bytes"] <= bucket + largest + slack, got["peak_extra_bytes"]
+    assert got["peak_extra_bytes"] <= bucket + largest + digest + slack, got["peak_extra_bytes"]

@@ -49,9 +49,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 _PRIME = (1 << 61) - 1
 _WEIGHT_PERIOD = 65521  # the largest prime below 2**16: a word's weight is its position modulo this, plus 1
-_CHUNK = {"cpu": _WEIGHT_PERIOD * 2, "cuda": _WEIGHT_PERIOD * 32}
+_CHUNK = {"cpu": _WEIGHT_PERIOD * 4, "cuda": _WEIGHT_PERIOD * 32}
 """Words per pass, by device type: a multiple of the period (so any size gives the same digest) below 2**21 (its sums
-stay below 2**52, exact in float64). The host keeps its two float64 pass buffers (2 MiB), so its passes are short; a
+stay below 2**52, exact in float64). The host keeps its two float64 pass buffers (4 MiB), so its passes are short; a
 GPU's are long (each pass is a few kernel launches, and its allocator frees the buffers' 33 MiB to the cache)."""
 _cpu_buffers = threading.local()  # per thread: a pass writes into its buffer
 
