@@ -29,10 +29,14 @@ ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask", "icepop
 leaves the bounds, IcePop's two-sided token masking, or nothing."""
 
 LOSS_IMPLS = ("auto", "reference", "fused")
-"""algorithm.loss_impl: the fused Triton kernel, the PyTorch reference, or fused on CUDA tensors."""
+"""algorithm.loss_impl: fused where the kernel runs, the PyTorch reference, or the fused Triton kernel ('auto' resolves
+to one of the other two at start-up)."""
 
 DATASET_FORMATS = ("auto", "dapo", "gsm8k")
 """data.format: the row schemas the prompt datasets read."""
+
+DATASET_SCHEMAS = DATASET_FORMATS[1:]
+"""The row schemas themselves ('auto' picks one of them per file)."""
 
 BAD_ROW_POLICIES = ("error", "skip")
 """data.on_bad_row: stop at a malformed row, or count and skip it."""
@@ -40,11 +44,21 @@ BAD_ROW_POLICIES = ("error", "skip")
 SAMPLER_MODES = ("stream", "fill", "dynamic_bs")
 """sampler.mode: how informative groups are found."""
 
+ROUND_SAMPLER_MODES = ("fill", "dynamic_bs")
+"""The sampler modes that generate in rounds of gen_batch_size (dynamic_bs: train_batch_size) prompts, where 'stream'
+keeps the engines full."""
+
 SHORTFALL_POLICIES = ("error", "train")
 """sampler.on_shortfall: what a step does when the generation cap cannot fill its batch."""
 
 VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
 """reward.verifier's built-in names (a 'package.module:function' is also accepted)."""
+
+VERIFIERS = VERIFIER_NAMES[1:]
+"""The built-in verifiers themselves ('auto' picks one of them per data source)."""
+
+MATH_VERIFY_USERS = ("auto", "math_verify", "hybrid")
+"""reward.verifier names that may call math-verify (its import is paid once in each reward worker)."""
 
 ROLLOUT_QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization: the rollout engine's weights as the policy holds them, or per-block FP8 (rollout/quantize.py)."""

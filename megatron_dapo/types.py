@@ -40,7 +40,7 @@ class Response:
     """The policy version (weight syncs so far) that sampled each token, len == len(token_ids); None when not
     tracked. A response paused at a weight sync and continued after it holds tokens of two versions."""
     finished: bool = True
-    """False for a sample stopped mid-generation (RolloutEngine.abort): token_ids are its tokens so far."""
+    """False for a sample stopped mid-generation (StreamingEngine.abort): token_ids are its tokens so far."""
     routes: Optional[Any] = None
     """Mixture-of-experts models with model.router_replay=r3: the experts the engine routed each position to, a
     torch tensor [len(prompt) + len(token_ids) - 1, moe layers, top k] of small integers (model/routing.py); None

@@ -260,3 +260,25 @@ def test_reading_a_config_loads_no_heavy_library(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"{module} loads {out.stdout.strip()}"
+
+
+def test_no_module_lists_allowed_values_again():
+    """Outside megatron_dapo.choices, no literal tuple, list or set of two or more strings that are all allowed values
+    of one of its lists (a sampler mode, a verifier, a dtype...): a second copy of such a list drifts from the first."""
+    from megatron_dapo import choices
+
+    allowed = {k: set(v) for k, v in vars(choices).items() if k.isupper() and isinstance(v, tuple)}
+    root = Path(choices.__file__).parent
+    # issue 54, item 1: objectives and corrections become records these two files register; until then they name them
+    pending = {"algorithm/losses.py", "algorithm/rollout_correction.py"}
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "choices.py" or str(path.relative_to(root)) in pending:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set)) or len(node.elts) < 2:
+                continue
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                names = {e.value for e in node.elts}
+                again = [k for k, v in allowed.items() if names <= v]
+                where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                assert not again, f"{where}: {sorted(names)} are values of choices.{again[0]}: import them from there"

@@ -32,7 +32,9 @@ FAMILIES = {
     "qwen3": dict(seed=2, vocab_size=300, tied=False, shard=None),
     "qwen3_moe": dict(seed=3, vocab_size=300, tied=False, shard="100KB"),  # experts one by one, over shards
 }
-CASES = [("qwen2", 2, 1), ("llama", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3_moe", 2, 1)]  # (family, tp, pp)
+# (family, tp, pp). Qwen3 at TP 2 is the MoE case's: its attention (q/k norms, head_dim 32 != hidden / heads) and its
+# second layer, dense, are Qwen3's own.
+CASES = [("qwen2", 2, 1), ("llama", 1, 1), ("qwen3", 1, 2), ("qwen3_moe", 2, 1)]
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 64}'}
 
 

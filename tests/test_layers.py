@@ -25,7 +25,8 @@ LAYERS = (
     ("data", {"data"}),
     ("sampling", {"sampling"}),  # dynamic sampling: drives engines (rollout) and the reward pool over datasets (data)
     ("pipeline", {"pipeline"}),  # the trainer's view of the rollout side, colocated or asynchronous, and its controller
-    ("entry", {"checkpoint", "trainer", "train", "launch", "demo", "evaluate", "hf_export", "preflight"}),  # wiring
+    # wiring
+    ("entry", {"checkpoint", "trainer", "train", "launch", "demo", "evaluate", "hf_export", "hf_import", "preflight"}),
 )
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from megatron_dapo.choices import VERIFIERS
 from megatron_dapo.reward import fuzz as fuzz_reward
 from megatron_dapo.reward import hybrid_verify
 
@@ -34,7 +35,7 @@ def test_fuzz_cases_are_seeded_and_cover_every_generator(fuzz_cases):
 
 
 @pytest.mark.parametrize(
-    "verifier", [pytest.param(v, marks=pytest.mark.slow) if v == "math_verify" else v for v in fuzz_reward.VERIFIERS]
+    "verifier", [pytest.param(v, marks=pytest.mark.slow) if v == "math_verify" else v for v in VERIFIERS]
 )
 def test_fuzz_through_the_pool(verifier, fuzz_cases, caplog):
     # math-verify, the slowest (its slow LaTeX runs into the timeout), takes the first half: 10 of every generator

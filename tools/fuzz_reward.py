@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 
+from megatron_dapo.choices import VERIFIERS
 from megatron_dapo.cli import argument_parser, tool_log
-from megatron_dapo.reward.fuzz import VERIFIERS, fuzz_verifier, make_cases
+from megatron_dapo.reward.fuzz import fuzz_verifier, make_cases
 
 log = tool_log("fuzz_reward")
 

@@ -27,6 +27,14 @@ K3_CLAMP = 10.0
 """k3 is clamped to [-K3_CLAMP, K3_CLAMP] (verl's low_var_kl)."""
 
 
+def k3(log_ratio: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """k3 of log_ratio = log(q / p) at x ~ p: (r - 1) - log r with r = exp(log_ratio), an estimate of KL(p || q)
+    that is >= 0 per token with low variance. log_ratio: [...]; returns [...] in its dtype, clamped to
+    [-clamp, clamp] when clamp is given (verl's low_var_kl clamps at K3_CLAMP)."""
+    out = torch.expm1(log_ratio) - log_ratio
+    return out if clamp is None else out.clamp(-clamp, clamp)
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float = 20.0) -> torch.Tensor:
     """The per-token estimate of KL(pi || pi_ref) named by estimator (k1, k2 or k3; module docstring).
 
@@ -44,7 +52,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
         return -d
     if estimator == "k2":
         return 0.5 * d * d
-    return (torch.exp(d) - 1.0 - d).clamp(-K3_CLAMP, K3_CLAMP)
+    return k3(d, K3_CLAMP)
 
 
 def kl_penalized_rewards(rewards: torch.Tensor, kl_sums: torch.Tensor, kl_coef: float) -> torch.Tensor:

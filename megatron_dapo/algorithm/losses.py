@@ -115,7 +115,7 @@ def resolve_loss_impl(impl: str, fused_runs_here: bool, objective: str = "dapo")
 
 def policy_loss_fn(name: str, objective: str = "dapo") -> LossFn:
     """The objective's implementation under a resolved name ('reference' or 'fused')."""
-    if name not in ("reference", "fused"):
+    if name not in LOSS_IMPLS[1:]:
         raise ValueError(f"policy loss implementation {name!r}: expected 'reference' or 'fused' (resolve 'auto' first)")
     if objective not in OBJECTIVES:
         raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")

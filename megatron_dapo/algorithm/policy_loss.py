@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_dapo.algorithm.kl import kl_estimate
+from megatron_dapo.algorithm.kl import k3, kl_estimate
 from megatron_dapo.algorithm.objectives import cispo_loss, dapo_loss, gspo_loss, sequence_index, sequence_sum
 from megatron_dapo.choices import LOSS_AGG_MODES, POLICY_LOSSES
 from megatron_dapo.config import AlgorithmConfig
@@ -146,7 +146,6 @@ def policy_loss(
     normalizer = loss_normalizer(response_tokens(mask, seq_index), loss_agg_mode, max_response_length)
 
     ratio = flags["ratio"]
-    log_r = torch.log(ratio)
     stats = {
         "tokens": mask.sum().float(),
         "clip_low": (flags["clip_low"] & mask).sum().float(),
@@ -154,8 +153,8 @@ def policy_loss(
         "clip_dual": (clip_dual & mask).sum().float(),
         "ratio_sum": torch.where(mask, ratio, zero).sum(),
         "ratio_max": torch.where(mask, ratio, zero).max() if mask.any() else zero.clone(),
-        # k3 estimator of KL(pi_old || pi): (r - 1) - log r, >= 0 and low-variance
-        "approx_kl_sum": torch.where(mask, (ratio - 1.0) - log_r, zero).sum(),
+        # k3 of KL(pi_old || pi): (r - 1) - log r with r = pi / pi_old at tokens sampled from pi_old
+        "approx_kl_sum": torch.where(mask, k3(torch.log(ratio)), zero).sum(),
         "kl_sum": kl.detach().sum(),
         "kl_loss_sum": kl_coef * aggregate(kl.detach()),
     }

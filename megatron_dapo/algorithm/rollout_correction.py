@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dapo.algorithm.kl import k3
 from megatron_dapo.choices import ROLLOUT_CORRECTIONS
 from megatron_dapo.config import Correction  # a mode and its bounds, as the config gives them
 
@@ -88,7 +89,7 @@ def rollout_mismatch_sums(
     return torch.tensor(
         [
             float(log_w.abs().sum()),
-            float(((torch.exp(log_w) - 1.0) - log_w).sum()),
+            float(k3(log_w).sum()),
             float(corrected.sum()),
             float(log_w.numel()),
             float(corrected.any()),

@@ -21,7 +21,8 @@ class Config:
     """The root of the tree."""
 
     seed: int = 42
-    """Seeds the prompt order (and, in later stages, model init and sampling)."""
+    """Seeds the prompt order, each group's sampling seeds, the prompt memory's skip draws and Megatron's RNG
+    (model_parallel_cuda_manual_seed: the init of any weight the checkpoint does not hold)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """See AlgorithmConfig."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo.choices import DATASET_SCHEMAS
 from megatron_dapo.cli import argument_parser
 
 KINDS = ("arithmetic", "word")
-SCHEMAS = ("dapo", "gsm8k")
+SCHEMAS = DATASET_SCHEMAS
 
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the form "

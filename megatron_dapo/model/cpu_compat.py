@@ -37,30 +37,6 @@ from torch.overrides import TorchFunctionMode
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None
 
-_FACTORIES_WITH_DEVICE = {
-    torch.empty,
-    torch.zeros,
-    torch.ones,
-    torch.full,
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.arange,
-    torch.tensor,
-    torch.as_tensor,
-    torch.empty_like,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.full_like,
-    torch.rand_like,
-    torch.randn_like,
-    torch.empty_strided,
-    torch.linspace,
-    torch.eye,
-    torch.tril_indices,
-    torch.triu_indices,
-}
-
 
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):

@@ -8,8 +8,6 @@ from typing import Any
 
 _EXCERPT_CHARS = 80
 
-STATUSES = ("ok", "timeout", "error")
-
 Key = tuple[int, int]
 """(ticket, index of the response in its ticket): how the parent names a response to the workers and back."""
 

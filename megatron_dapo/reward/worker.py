@@ -15,6 +15,7 @@ import resource
 import signal
 from typing import Any
 
+from megatron_dapo.choices import MATH_VERIFY_USERS
 from megatron_dapo.reward.answers import VerifyResult
 from megatron_dapo.reward.registry import select_verifier
 
@@ -50,7 +51,7 @@ def _prepare_worker(configured: str, memory_mb: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we bound time here
-    if configured in ("auto", "math_verify", "hybrid"):
+    if configured in MATH_VERIFY_USERS:
         select_verifier("", "math_verify", math_verify_timeout_s=None)("\\boxed{1}", "1")  # import + first-call cost
     elif configured != "dapo":
         select_verifier("", configured)  # import the user's module now: a failure is a start failure

@@ -1,8 +1,9 @@
 """The rollout engine interface: what the trainer asks of whatever samples responses (vLLM, transformers).
 
-The trainer's cycle per rollout step, colocated on the same devices as the policy:
+Two ways to sample. generate() is one blocking call over a batch of prompts: held-out evaluation
+(rollout/held_out.py) and the tools use it. Training rollouts stream (below). Around them, colocated on the
+same devices as the policy, each rollout step ends with a weight sync:
 
-    groups = engine.generate(prompt_ids, n=G, temperature=T, top_p=p, max_tokens=L_max)   # sample
     engine.sleep()                                                                       # free memory
     ... train the policy ...
     for bucket in bridge.buckets():                                                      # weight sync

@@ -21,9 +21,9 @@ from megatron_dapo.types import Prompt, Response
 class ShardedScorer:
     """Scores each call's responses in contiguous shares across the world's ranks and gathers the results.
 
-    Every rank gets the same RewardBatch, so the loaders on every rank accept the same groups even
-    where a verifier's wall-clock limit would strike on one rank only; and each rank scores
-    1/world of the responses instead of all of them. metrics holds the summed counts.
+    Every rank gets the same RewardBatch, so every rank computes the same avg@k / pass@k even where a
+    verifier's wall-clock limit would strike on one rank only; and each rank scores 1/world of the
+    responses instead of all of them. metrics holds the summed counts.
     """
 
     COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from megatron_dapo import progress
+from megatron_dapo.choices import ROUND_SAMPLER_MODES
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 from megatron_dapo.sampling.exchange import Comm, gather_metas, gather_stopped
@@ -216,7 +217,7 @@ class DynamicSamplingLoader:
         """One tick: stream, tick_steps engine steps; fill and dynamic_bs, until this rank's engines have finished
         their share of the round (a round is observed only once complete, so no rank need wait for another
         before that, as with a batch generate() per engine)."""
-        rounds = self.scheduler.cfg.mode in ("fill", "dynamic_bs")
+        rounds = self.scheduler.cfg.mode in ROUND_SAMPLER_MODES
         steps = 0
         while steps < self.tick_steps or (rounds and self._in_flight()):
             self._step_engines()

@@ -50,11 +50,6 @@ class GroupMeta:
     def num_correct(self) -> int:
         return sum(self.acc)
 
-    def tokens_of_version(self, v: int) -> int:
-        """Tokens sampled by the weights of version v (what staleness counts)."""
-        i = v - self.version
-        return self.version_tokens[i] if 0 <= i < len(self.version_tokens) else 0
-
     def tokens_of_step(self, v: int) -> int:
         """Tokens generated in rollout step v (what a step's token accounting counts): 0 unless it finished in v."""
         last = self.version + len(self.version_tokens) - 1

@@ -55,6 +55,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_dapo.choices import ROUND_SAMPLER_MODES
 from megatron_dapo.cli import UserError
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.prompt_memory import PromptMemory
@@ -246,7 +247,7 @@ class SamplingScheduler(SchedulerState):
         st = self._require_step()
         if self.step_done or not self._can_submit():
             return []
-        if self.cfg.mode in ("fill", "dynamic_bs"):
+        if self.cfg.mode in ROUND_SAMPLER_MODES:
             if self.flight:  # a round is generated to its end before it is filtered
                 return []
             size = self.cfg.train_batch_size if self.cfg.mode == "dynamic_bs" else self.cfg.gen_batch_size

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from megatron_dapo.choices import ROUND_SAMPLER_MODES
 from megatron_dapo.config import SamplerConfig
 from megatron_dapo.sampling.records import GroupMeta, StepResult
 from megatron_dapo.sampling.scheduler import SamplingScheduler
@@ -242,7 +243,7 @@ def simulate(
         raise ValueError(f"row {row.name!r} needs a workload with oracle={row.oracle}")
     sched = SamplingScheduler(row.sampler, workload.num_prompts, num_engines, group_size=workload.group_size, seed=seed)
     pool = EnginePool(engine, num_engines, workload, row.sampler.tick_steps)
-    round_based = row.sampler.mode in ("fill", "dynamic_bs")
+    round_based = row.sampler.mode in ROUND_SAMPLER_MODES
     records = []
     for _ in range(warmup + steps):
         version = sched.version

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import torch
 
+from megatron_dapo.algorithm.filters import informative_groups
 from megatron_dapo.sampling.records import GroupMeta, Stopped, Submission
 from megatron_dapo.sampling.sim.calibration import Calibration, fit_h100_calibration
 from megatron_dapo.sampling.sim.hardware import H100, QWEN25_32B, GPUSpec, ModelSpec
@@ -300,16 +302,21 @@ class EnginePool:
         return np.bincount(self.engine[live], minlength=self.n).tolist()
 
     def collect(self, keys: list[int]) -> list[GroupMeta]:
-        """The finished groups' summaries (as the loader gathers them a tick after they finish); forget them."""
-        return [self._finish(self.groups[key]) for key in keys]
+        """The finished groups' summaries (as the loader gathers them a tick after they finish); forget them. Their
+        rewards and informative test are the trainer's own (algorithm/), taken over the tick's groups at once."""
+        if not keys:
+            return []
+        groups = [self.groups[key] for key in keys]
+        lengths = np.stack([self.gen[g.slots] for g in groups])  # [n, G]
+        correct = np.stack([g.correct for g in groups])
+        rewards = self.workload.shaped_rewards(lengths, correct)
+        informative = informative_groups(torch.from_numpy(correct)).tolist()
+        return [self._finish(g, *row) for g, row in zip(groups, zip(lengths, rewards, informative))]
 
-    def _finish(self, g: _Group) -> GroupMeta:
-        lengths = self.gen[g.slots].copy()
+    def _finish(self, g: _Group, lengths: np.ndarray, rewards: np.ndarray, informative: bool) -> GroupMeta:
         total = int(lengths.sum())
         version_tokens = g.version_tokens + [total - sum(g.version_tokens)]
         self._release(g)
-        rewards = self.workload.shaped_rewards(lengths, g.correct)
-        correct = int(g.correct.sum())
         return GroupMeta(
             key=g.key,
             index=g.index,
@@ -320,7 +327,7 @@ class EnginePool:
             scores=np.where(g.correct, 1.0, -1.0).tolist(),
             rewards=rewards.tolist(),
             truncated=g.truncated.tolist(),
-            informative=0 < correct < len(g.correct),
+            informative=informative,
             version_tokens=version_tokens,
         )
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import torch
+
+from megatron_dapo.algorithm.overlong import soft_overlong_punishment
 
 LENGTH_REGIMES = {"late": 4500.0, "early": 2000.0}
 """Mean response length (tokens, after the 20,480 cap) of the benchmarks' two regimes: late and early in the paper's
@@ -157,7 +160,8 @@ class Workload:
         return lengths, correct, truncated
 
     def shaped_rewards(self, lengths: np.ndarray, correct: np.ndarray) -> np.ndarray:
-        """+1 / -1 plus DAPO's soft overlong punishment (buffer `overlong_buffer` before max_len)."""
-        start = self.max_len - self.overlong_buffer
-        penalty = np.clip((start - lengths) / self.overlong_buffer, -1.0, 0.0)
-        return np.where(correct, 1.0, -1.0) + penalty
+        """+1 / -1 plus DAPO's soft overlong punishment (buffer `overlong_buffer` before max_len): the trainer's own
+        rule (algorithm/overlong.py). lengths: [...] int, correct: [...] bool; returns [...] float64."""
+        flat = torch.from_numpy(np.ascontiguousarray(lengths).reshape(-1))
+        penalty = soft_overlong_punishment(flat, self.max_len, self.overlong_buffer).numpy().reshape(lengths.shape)
+        return np.where(correct, 1.0, -1.0) + penalty.astype(np.float64)
