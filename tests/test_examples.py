@@ -278,7 +278,7 @@ def test_moe_example_is_the_papers_run_on_an_expert_parallel_layout(name):
     layout = check_layout(arch, cfg.parallel, cfg.model, world)
     assert (layout.edp, arch.num_experts // layout.ep) == (edp, experts_per_rank)
     assert cfg.model.router_replay == "r3" and cfg.model.recompute == "full" and cfg.parallel.sequence_parallel
-    assert cfg.model.moe_aux_loss_coeff == 0.0  # as the peers' MoE RL recipes (config/policy.py)
+    assert cfg.model.moe_aux_loss_coeff == 0.0  # as the peers' MoE RL recipes (config/model.py)
     # the header's launch line, rendered as `launch slurm --print-only` renders it
     assert world % 8 == 0 and f"--nodes {world // 8} " in path.read_text()
     variables, command = sbatch_command(f"examples/{name}", [], cfg, world // 8, 8, [], REPO)

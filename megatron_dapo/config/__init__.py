@@ -11,12 +11,12 @@ OmegaConf structured configs, which check types. On top of that:
 
     cfg = load_config("examples/tiny_cpu.yaml", ["algorithm.eps_high=0.3"])
 
-The package, one module per section (or a few related ones), each dataclass with its field docstrings and its own
+The package, one module per section, each dataclass with its field docstrings and its own
 `validate()`; the allowed values of the string fields live in megatron_dapo.choices:
 
 - base.py: ConfigError, the check that raises it, field_docs;
-- algorithm.py (algorithm), rollout.py (rollout, pipeline), data.py (data, reward), sampler.py (sampler),
-  policy.py (optim, model, parallel, train), trainer.py (trainer, eval);
+- one module per section, named after it: algorithm.py, rollout.py, pipeline.py, data.py, reward.py, sampler.py,
+  optim.py, model.py, parallel.py, train.py, trainer.py, eval.py;
 - rules.py: the root Config, the settings derived from several sections (tis_cap, lockstep, ...) and the checks
   that span sections;
 - loading.py: load_config (YAML file, merging, dotted overrides, unknown keys) and to_yaml.
@@ -27,13 +27,19 @@ Nothing here imports torch: reading a config stays instant.
 from megatron_dapo.choices import DTYPES
 from megatron_dapo.config.algorithm import AlgorithmConfig, Correction
 from megatron_dapo.config.base import ConfigError, field_docs
-from megatron_dapo.config.data import DataConfig, RewardConfig
+from megatron_dapo.config.data import DataConfig
+from megatron_dapo.config.eval import EvalConfig
 from megatron_dapo.config.loading import load_config, to_yaml
-from megatron_dapo.config.policy import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from megatron_dapo.config.rollout import PipelineConfig, RolloutConfig
+from megatron_dapo.config.model import ModelConfig
+from megatron_dapo.config.optim import OptimConfig
+from megatron_dapo.config.parallel import ParallelConfig
+from megatron_dapo.config.pipeline import PipelineConfig
+from megatron_dapo.config.reward import RewardConfig
+from megatron_dapo.config.rollout import RolloutConfig
 from megatron_dapo.config.rules import Config
 from megatron_dapo.config.sampler import SamplerConfig
-from megatron_dapo.config.trainer import EvalConfig, TrainerConfig
+from megatron_dapo.config.train import TrainConfig
+from megatron_dapo.config.trainer import TrainerConfig
 
 __all__ = [
     "DTYPES",

@@ -9,11 +9,17 @@ from typing import Optional
 
 from megatron_dapo.config.algorithm import AlgorithmConfig, Correction
 from megatron_dapo.config.base import check
-from megatron_dapo.config.data import DataConfig, RewardConfig
-from megatron_dapo.config.policy import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from megatron_dapo.config.rollout import PipelineConfig, RolloutConfig
+from megatron_dapo.config.data import DataConfig
+from megatron_dapo.config.eval import EvalConfig
+from megatron_dapo.config.model import ModelConfig
+from megatron_dapo.config.optim import OptimConfig
+from megatron_dapo.config.parallel import ParallelConfig
+from megatron_dapo.config.pipeline import PipelineConfig
+from megatron_dapo.config.reward import RewardConfig
+from megatron_dapo.config.rollout import RolloutConfig
 from megatron_dapo.config.sampler import SamplerConfig
-from megatron_dapo.config.trainer import EvalConfig, TrainerConfig
+from megatron_dapo.config.train import TrainConfig
+from megatron_dapo.config.trainer import TrainerConfig
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""The policy's sections: optim, model, parallel and train (the optimizer, the Megatron-Core model, its
-parallel layout, and how a mini-batch runs through it)."""
+"""The model section: the Megatron-Core policy (architecture source, dtype, layers, MoE)."""
 
 from __future__ import annotations
 
@@ -18,37 +17,6 @@ from megatron_dapo.choices import (
     TRANSFORMER_IMPLS,
 )
 from megatron_dapo.config.base import check
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warm-up then a constant learning rate (paper section 4.1)."""
-
-    lr: float = 1e-6
-    """Peak (and constant, after warm-up) learning rate."""
-    warmup_steps: int = 320
-    """Linear warm-up from 0 to lr, counted in optimizer steps: the paper warms up over 20
-    rollout steps of 16 updates each = 320 (set 20 x updates per rollout step for other sizes)."""
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip."""
-    adam_beta1: float = 0.9
-    """AdamW beta1."""
-    adam_beta2: float = 0.999
-    """AdamW beta2."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    mini_batch_size: int = 512
-    """Responses per optimizer step: 512 x 16 responses per rollout step give 16 updates."""
-
-    def validate(self) -> None:
-        """Raise ConfigError for a value of this section that cannot run."""
-        check(self.lr > 0, "optim.lr", self.lr, "a value > 0")
-        check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a value >= 0")
-        check(self.clip_grad > 0, "optim.clip_grad", self.clip_grad, "a value > 0")
-        check(self.mini_batch_size >= 1, "optim.mini_batch_size", self.mini_batch_size, "an integer >= 1")
 
 
 @dataclass
@@ -146,84 +114,3 @@ class ModelConfig:
         )
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             check(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "a value >= 0")
-
-
-@dataclass
-class ParallelConfig:
-    """Megatron parallel layout; data parallel is world_size / (tp x pp x cp)."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    vpp: Optional[int] = None
-    """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; null = off."""
-    cp: int = 1
-    """Context-parallel size (needs Transformer Engine)."""
-    ep: int = 1
-    """Expert-parallel size (mixture-of-experts models): each MoE layer's experts are split over this many ranks,
-    which hold different data (the experts' data parallel is world / (pp x ep x etp)); it must divide the number of
-    experts and world / pp."""
-    etp: int = 1
-    """Expert tensor-parallel size: each expert's weights split over this many ranks. 1 (each expert whole) as the
-    Qwen3-MoE recipes of verl, slime and NeMo-RL run; at most tp."""
-    sequence_parallel: bool = True
-    """Sequence parallel with tp > 1: each TP rank holds a share of the positions between the tensor-parallel layers
-    (Transformer Engine's norms, or on the local spec model/provider.py's SequenceParallelRMSNorm). A MoE model with
-    tp > 1 needs it (Megatron's MoE layer refuses to train without)."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
-
-    def validate(self) -> None:
-        """Raise ConfigError for a value of this section that cannot run."""
-        for key in ("tp", "pp", "cp", "ep", "etp"):
-            check(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key), "an integer >= 1")
-        if self.vpp is not None:
-            check(
-                self.vpp >= 2 and self.pp >= 2,
-                "parallel.vpp",
-                self.vpp,
-                "an integer >= 2 with parallel.pp >= 2, or null",
-            )
-
-
-@dataclass
-class TrainConfig:
-    """How a mini-batch runs through the policy."""
-
-    max_tokens_per_microbatch: int = 15360
-    """Token budget of a micro-batch of the train step (padded prompt + response tokens per sequence, summed):
-    sequences are packed into micro-batches under it, so long and short responses balance. The default is what
-    model/memory.py's memory model allows its REFERENCE_CASE: the Qwen2.5-1.5B shape (untied, as the preflight builds
-    it) alone on one 80 GiB GPU, SDPA attention, bf16, no recompute, the one-pass vocabulary code, 10% of the GPU left
-    free: a peak of 71.2 GiB (16384 would plan 74.0 GiB). For another model or layout: memory.max_tokens."""
-    max_tokens_per_forward: int = 0
-    """Token budget of a micro-batch of the forward-only passes (the old logprobs, the KL reference's logprobs),
-    which keep nothing for backward; 0 = max_tokens_per_microbatch, so the old-logprob forward runs the train step's
-    own micro-batches and the on-policy ratio is exactly 1. A larger budget means fewer, larger forward passes (the
-    memory model allows 144384 tokens in the reference case above, 41 GiB of it bf16 logits), but other GEMM shapes:
-    the last bits of some bf16 logprobs change, and the ratio is then 1 only to about 1e-3."""
-    packed_sequences: bool = True
-    """Pack each micro-batch's sequences into one row (THD format, no padding, the budget counts real tokens) when
-    the attention takes packed rows (model.attention 'sdpa' or Transformer Engine's); otherwise, and always with
-    model.attention=unfused, context parallel or algorithm.loss_agg_mode=seq-mean-token-mean (which means over each
-    response's row), rows are right-padded."""
-
-    def validate(self) -> None:
-        """Raise ConfigError for a value of this section that cannot run."""
-        check(
-            self.max_tokens_per_microbatch >= 1,
-            "train.max_tokens_per_microbatch",
-            self.max_tokens_per_microbatch,
-            "an integer >= 1",
-        )
-        check(
-            self.max_tokens_per_forward >= 0,
-            "train.max_tokens_per_forward",
-            self.max_tokens_per_forward,
-            "an integer >= 0 (0 = train.max_tokens_per_microbatch)",
-        )
-
-    def microbatch_tokens(self, forward_only: bool) -> int:
-        """The token budget of a pass: max_tokens_per_forward for a forward-only one (0: the train step's)."""
-        return (forward_only and self.max_tokens_per_forward) or self.max_tokens_per_microbatch
