@@ -32,10 +32,13 @@ LOSS_IMPLS = ("auto", "reference", "fused")
 """algorithm.loss_impl: fused where the kernel runs, the PyTorch reference, or the fused Triton kernel ('auto' resolves
 to one of the other two at start-up)."""
 
+RESOLVED_LOSS_IMPLS = tuple(i for i in LOSS_IMPLS if i != "auto")
+"""What algorithm.loss_impl resolves to: the implementations themselves."""
+
 DATASET_FORMATS = ("auto", "dapo", "gsm8k")
 """data.format: the row schemas the prompt datasets read."""
 
-DATASET_SCHEMAS = DATASET_FORMATS[1:]
+DATASET_SCHEMAS = tuple(f for f in DATASET_FORMATS if f != "auto")
 """The row schemas themselves ('auto' picks one of them per file)."""
 
 BAD_ROW_POLICIES = ("error", "skip")
@@ -54,7 +57,7 @@ SHORTFALL_POLICIES = ("error", "train")
 VERIFIER_NAMES = ("auto", "dapo", "math_verify", "hybrid")
 """reward.verifier's built-in names (a 'package.module:function' is also accepted)."""
 
-VERIFIERS = VERIFIER_NAMES[1:]
+VERIFIERS = tuple(v for v in VERIFIER_NAMES if v != "auto")
 """The built-in verifiers themselves ('auto' picks one of them per data source)."""
 
 MATH_VERIFY_USERS = ("auto", "math_verify", "hybrid")

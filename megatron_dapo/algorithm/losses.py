@@ -26,7 +26,7 @@ import torch
 
 from megatron_dapo.algorithm.objectives import sequence_index, sequence_sum
 from megatron_dapo.algorithm.policy_loss import PolicyLoss, loss_normalizer, policy_loss, response_tokens
-from megatron_dapo.choices import LOSS_IMPLS, POLICY_LOSSES
+from megatron_dapo.choices import LOSS_IMPLS, POLICY_LOSSES, RESOLVED_LOSS_IMPLS
 
 LossFn = Callable[..., PolicyLoss]
 
@@ -115,7 +115,7 @@ def resolve_loss_impl(impl: str, fused_runs_here: bool, objective: str = "dapo")
 
 def policy_loss_fn(name: str, objective: str = "dapo") -> LossFn:
     """The objective's implementation under a resolved name ('reference' or 'fused')."""
-    if name not in LOSS_IMPLS[1:]:
+    if name not in RESOLVED_LOSS_IMPLS:
         raise ValueError(f"policy loss implementation {name!r}: expected 'reference' or 'fused' (resolve 'auto' first)")
     if objective not in OBJECTIVES:
         raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")
