@@ -30,7 +30,7 @@ from typing import Any, Optional
 FAULT_ENV = "DAPO_FAULT"
 START_UP = "start-up"
 """The phase before the first step: model loading and engine start have no progress points; waits there are bounded
-by the collective timeout instead."""
+by the collective timeout instead, and neither the stall detector nor the backstop counts time spent in it."""
 
 
 @dataclass
@@ -74,7 +74,7 @@ def point(name: str) -> None:
     STATE.progress_at = now
     k = STATE.counts.get(name, 0)
     STATE.counts[name] = k + 1
-    if STATE.backstop_s is not None and now - STATE._armed_at > 1.0:  # re-armed at most once a second
+    if now - STATE._armed_at > 1.0:  # re-armed at most once a second
         _arm_backstop(now)
     fault(name, STATE.step, k)
 
@@ -85,6 +85,7 @@ def set_phase(name: str, step: Optional[int] = None) -> None:
     if step is not None and step != STATE.step:
         STATE.step, STATE.counts = step, {}
     STATE.progress_at = time.time()
+    _arm_backstop(STATE.progress_at)
     STATE.on_change()
 
 
@@ -96,6 +97,7 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         STATE.phase = before
+        _arm_backstop(time.time())
         STATE.on_change()
 
 
@@ -113,14 +115,21 @@ def waiting(on: str) -> Iterator[None]:
 
 def arm_backstop(seconds: float, file: Any) -> None:
     """faulthandler's last resort: every thread's stack to `file` and exit 1 if no progress point re-arms it for
-    `seconds` (the watchdog thread itself cannot run: the interpreter is stuck holding its lock)."""
+    `seconds` (the watchdog thread itself cannot run: the interpreter is stuck holding its lock). Held off while the
+    phase is START_UP, whose long stretches without a progress point (a model loading, the other side's engine
+    starting) are not stalls."""
     STATE.backstop_s, STATE.backstop_file = seconds, file
     _arm_backstop(time.time())
 
 
 def _arm_backstop(now: float) -> None:
+    if STATE.backstop_s is None:
+        return
     STATE._armed_at = now
-    faulthandler.dump_traceback_later(STATE.backstop_s, exit=True, file=STATE.backstop_file)
+    if STATE.phase == START_UP:
+        faulthandler.cancel_dump_traceback_later()
+    else:
+        faulthandler.dump_traceback_later(STATE.backstop_s, exit=True, file=STATE.backstop_file)
 
 
 def disarm_backstop() -> None:

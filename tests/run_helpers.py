@@ -81,7 +81,10 @@ def wait_until(predicate, timeout: float = 300, what: str = "", proc: subprocess
         time.sleep(0.05)
     if predicate():
         return
-    ended = "" if proc is None or proc.poll() is None else f": the run ended first (exit {proc.poll()})"
+    ended = ""
+    if proc is not None and proc.poll() is not None:
+        said = proc.stderr.read()[-4000:] if proc.stderr is not None else ""  # why it ended, where the test kept it
+        ended = f": the run ended first (exit {proc.poll()})" + (f"; its stderr ends:\n{said}" if said else "")
     raise AssertionError(f"timed out waiting for {what}{ended}")
 
 

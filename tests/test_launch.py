@@ -259,7 +259,7 @@ def test_ray_dp2_across_two_nodes_restarts_a_stalled_run_and_matches_the_one_pro
 ):
     """`launch ray --nodes 2 --gpus-per-node 1`: one worker on each Ray node (one placement group, a bundle per node),
     DP = 2 with two vLLM engines, fed groups on demand by the scheduler. Small deadlines from the config (stall 15 s,
-    collectives 60 s). Rank 1's trainer stops itself (DAPO_FAULT, SIGSTOP) inside step 2's train step (its second
+    collectives 300 s). Rank 1's trainer stops itself (DAPO_FAULT, SIGSTOP) inside step 2's train step (its second
     micro-batch), after step 1 is saved: rank 0's watchdog names it (phase, rank, host) and the run ends within the
     deadline plus 30 s, rank 1's stack written (woken for it) and collected; the launcher says why, stops every
     worker and starts both again from step 1 (a resume is bit for bit: tests/test_checkpoint.py; the fault fires once
@@ -278,7 +278,7 @@ def test_ray_dp2_across_two_nodes_restarts_a_stalled_run_and_matches_the_one_pro
     overrides, ref_run, _ = two_steps
     run, out = tmp_path / "run", tmp_path / "launch.out"
     args = ["--nodes", "2", "--gpus-per-node", "1", "--gpu-resource", RESOURCE, "--max-restarts", "1"]
-    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=300"]
     stop = {"DAPO_FAULT": "stop:micro_batch:2:1@rank1"}
     proc = _launch_ray(ray_cluster, out, *args, *overrides, *small, f"trainer.run_dir={run}", **stop)
     wait_until(lambda: _stopped(_trainers(run).get("1")), what="rank 1 stopped", proc=proc)

@@ -123,7 +123,7 @@ def test_a_rollout_side_stopped_mid_update_then_resume_split_reproduces_the_unin
     eta = 0 taking the colocated run's steps, and a rollout process that stops in the middle of a weight update:
 
     1. asynchronous (pipeline.mode=async: a rollout process and a train process), eta = 0, small deadlines from the
-       config (stall 15 s, collectives 60 s): its rollout process stops itself (DAPO_FAULT, SIGSTOP) in the middle of
+       config (stall 15 s, collectives 300 s): its rollout process stops itself (DAPO_FAULT, SIGSTOP) in the middle of
        taking update 3, once its engine has taken the update's second bucket. The train side's watchdog finds it no
        longer running and ends the run: status 75 within the deadline plus 30 s, one line naming its phase, rank and
        host, its stack (woken for it) in the log, nothing of the run left (its tag); the newest complete checkpoint
@@ -144,7 +144,7 @@ def test_a_rollout_side_stopped_mid_update_then_resume_split_reproduces_the_unin
     assert [e is not None for e in evals] == [False, True, False, True, True] and 0 < sum(evals[3:]) < 2
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints"
-    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=300"]
     split = [*launch_local(cmd), f"trainer.run_dir={cut}", "pipeline.mode=async", *small]
     tag = f"rollout-stop-{os.getpid()}"
     stop = {**env, "DAPO_FAULT": "stop:receive:3:1@rollout0", RUN_TAG_ENV: tag}
@@ -200,7 +200,7 @@ def test_async_ahead_of_training_survives_a_stalled_save_a_killed_launcher_and_s
     """Asynchronous DAPO at eta = 1 (the controller collects batch k + 1 while batch k trains, applying each update
     in flight) with two train ranks (launch local --nproc-per-node 3: torchrun for the train side):
 
-    1. small deadlines from the config (stall 15 s, collectives 60 s); train rank 1 stops itself (DAPO_FAULT,
+    1. small deadlines from the config (stall 15 s, collectives 300 s); train rank 1 stops itself (DAPO_FAULT,
        SIGSTOP) inside step 2's checkpoint save, its shards written: rank 0 waits at the save's barrier, the rollout
        side at eta. A watchdog finds it no longer running and ends the run: status 75 within the deadline plus 30 s,
        one line naming the phase, the rank and the host, its stack (woken for it) in the log, no process of the
@@ -227,7 +227,7 @@ def test_async_ahead_of_training_survives_a_stalled_save_a_killed_launcher_and_s
     ahead.append("trainer.total_steps=9")  # never reached: the last launch is stopped by SIGTERM
     tag = f"save-stop-{os.getpid()}"
     stop = {**env, "DAPO_FAULT": "stop:save:2:0@train1", RUN_TAG_ENV: tag}
-    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=60"]
+    small = ["trainer.stall_timeout_s=15", "trainer.collective_timeout_s=300"]
     proc = subprocess.Popen(
         [*launch_local(cmd), *ahead, *small], env=stop, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

@@ -216,11 +216,15 @@ def test_two_nodes_a_stall_and_usr1_are_requeued_and_the_last_attempt_resumes_st
     reference = _reference(cluster, tiny, ref)
     try:
         split = ["pipeline.mode=async", "pipeline.rollout_gpus=1", "sampler.max_staleness=0"]  # ROLLOUT_NODES=1
-        small = ["trainer.stall_timeout_s=10", "trainer.collective_timeout_s=40"]
+        small = ["trainer.stall_timeout_s=10", "trainer.collective_timeout_s=300"]
         stop = {"DAPO_FAULT": "stop:micro_batch:2:0@train0"}
         job_id = launch_job(cluster, tiny, run, *split, *small, nodes=2, TRANSPORT_PORT=_transport(), **stop)
         second = run / "logs" / job_id / "attempt_1" / "train_node0.log"
-        wait_until(lambda: second.is_file() and "step 1 |" in second.read_text(), what="attempt 1's first step")
+        try:
+            wait_until(lambda: second.is_file() and "step 1 |" in second.read_text(), what="attempt 1's first step")
+        except AssertionError as error:  # what each attempt's processes said
+            said = [f"== {p}\n{p.read_text()[-1500:]}" for p in sorted((run / "logs" / job_id).rglob("*.log"))]
+            raise AssertionError(f"{error}\n" + "\n".join(said)[-8000:]) from None
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True, timeout=30)
         info = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED"})
         assert reference.wait(timeout=600) == 0, (ref.parent / "reference.err").read_text()[-3000:]

@@ -531,7 +531,7 @@ def test_a_run_directory_that_holds_another_run_is_refused_with_nothing_changed(
 
 @pytest.mark.slow
 def test_an_engine_stopped_mid_generation_is_named_with_its_stack_and_ctrl_c_saves_the_resumed_run(two_steps, tmp_path):
-    """The README's commands, two_steps' run, small deadlines from the config (stall 10 s, collectives 40 s):
+    """The README's commands, two_steps' run, a small stall deadline from the config (10 s; collectives 300 s):
 
     1. `launch local` (one process, the engine inside it), which stops itself (DAPO_FAULT, SIGSTOP) at its fourth
        engine step of step 2: the launcher finds its record no longer refreshed, wakes it for its stacks, kills it
@@ -549,7 +549,7 @@ def test_an_engine_stopped_mid_generation_is_named_with_its_stack_and_ctrl_c_sav
 
     overrides, ref_run, _ = two_steps
     run = tmp_path / "run"
-    small = ["trainer.stall_timeout_s=10", "trainer.collective_timeout_s=40", f"trainer.run_dir={run}"]
+    small = ["trainer.stall_timeout_s=10", "trainer.collective_timeout_s=300", f"trainer.run_dir={run}"]
     tag = f"engine-stop-{os.getpid()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", RUN_TAG_ENV: tag, "DAPO_FAULT": "stop:engine_step:2:3"}
     cmd = [sys.executable, "-m", "megatron_dapo.launch", "local", *overrides, *small]

@@ -104,7 +104,10 @@ from megatron_dapo.launch.watchdog import Watchdog
 
 log_dir, label, deadline = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 Watchdog(log_dir, label, deadline, backstop_s=float(sys.argv[4])).start()
+if sys.argv[5] == "hold":
+    time.sleep(2.5)  # start-up (a model loading) for longer than the backstop, which leaves start-up alone
 progress.set_phase("work", step=1)
+print("working", file=sys.stderr, flush=True)
 
 
 def work():
@@ -184,10 +187,11 @@ def test_the_launcher_wakes_a_lone_stopped_process_kills_it_and_collects_its_sta
 
 def test_the_backstop_dumps_and_ends_a_process_whose_watchdog_cannot_run(tmp_path):
     """The interpreter held by one C call (its watchdog thread never runs): faulthandler's backstop, re-armed at each
-    progress point, writes every thread's stack and exits 1."""
+    progress point, writes every thread's stack and exits 1; the start-up before it, longer than the backstop and
+    without a progress point, is not a stall."""
     proc = _stand_in(tmp_path, "rank 0", 30.0, backstop=1.0, how="hold")
-    _reap(proc, timeout=60)
-    assert proc.returncode == 1
+    [err] = _reap(proc, timeout=60)
+    assert proc.returncode == 1 and "working" in err
     [stacks] = list((tmp_path / "stacks").glob("*.txt"))
     text = stacks.read_text()
     assert text.startswith("Timeout (0:00:01)!") and " in work\n" in text
