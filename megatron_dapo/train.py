@@ -194,13 +194,13 @@ def train(config: str | None, overrides: list[str]) -> int | None:
     from megatron_dapo.config import load_config
     from megatron_dapo.launch.run_dir import check_run_dir
     from megatron_dapo.launch.watchdog import start_watchdog
-    from megatron_dapo.pipeline.transport import process_role
+    from megatron_dapo.placement.transport import process_role
 
     cfg = load_config(config, overrides)
     role, rank = process_role(cfg), os.environ.get("RANK", "0")
     t = cfg.trainer
     if role == "rollout":  # DAPO_ROLE, set by the launchers (launch/): the asynchronous rollout side
-        from megatron_dapo.pipeline.controller import run_rollout
+        from megatron_dapo.placement.controller import run_rollout
 
         for sig in StopSignals.SIGNALS:  # stop signals are the train side's: it saves, then stops the controller
             signal.signal(sig, signal.SIG_IGN)

@@ -18,7 +18,7 @@ rewards) reach every rank. Once the batch is known each response moves, as tenso
 the data-parallel replica that trains it (sampling/exchange.py). Each data-parallel rank trains on its
 slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
 rank's bridge streams the full weights into its own engine. All of that is the colocated `Rollout`
-(pipeline/rollout.py); with pipeline.mode=async the same loop runs against the remote one (pipeline/remote.py: the
+(placement/colocated.py); with pipeline.mode=async the same loop runs against the remote one (placement/remote.py: the
 engines, loader and evaluator in the rollout processes), with no branch here on the mode.
 """
 
@@ -44,7 +44,7 @@ from megatron_dapo.algorithm import (
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample
-from megatron_dapo.pipeline.rollout import Rollout
+from megatron_dapo.placement.protocol import Rollout
 from megatron_dapo.sampling.exchange import Comm, SampleId
 from megatron_dapo.sampling.loader import StepBatch
 from megatron_dapo.sampling.records import GroupMeta
@@ -140,7 +140,7 @@ class Trainer:
     """Builds every component from the config and runs rollout steps."""
 
     def __init__(self, cfg: Config) -> None:
-        self.rollout: Optional[Rollout] = None  # the engines' side, in either pipeline.mode (pipeline/rollout.py)
+        self.rollout: Optional[Rollout] = None  # the engines' side, in either pipeline.mode (placement/protocol.py)
         try:
             self._build(cfg)
         except BaseException:  # a bad checkpoint or a signal at start-up: stop what already started, then raise
@@ -156,7 +156,7 @@ class Trainer:
         from megatron_dapo.model.parallel import arm_group_timeouts, init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.model.provider import weights_digest
-        from megatron_dapo.pipeline.rollout import make_rollout
+        from megatron_dapo.placement.protocol import make_rollout
         from megatron_dapo.rollout.vllm_env import rollout_tp
         from megatron_dapo.rollout.weight_bridge import WeightBridge
 

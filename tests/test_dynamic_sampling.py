@@ -686,7 +686,7 @@ def _short_and_long_partial(pool, max_staleness: int):
 
 
 def test_the_controller_sets_the_weights_and_the_between_ticks_service_through_the_loader(pool):
-    """What the asynchronous controller tells the loader (pipeline/controller.py): weights_updated(v) tags later
+    """What the asynchronous controller tells the loader (placement/controller.py): weights_updated(v) tags later
     tokens with v and counts the batches collected and not trained for admission; run_between_ticks(f) calls f
     after every tick."""
     ds = _short_and_long_partial(pool, max_staleness=2)

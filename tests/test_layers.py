@@ -24,7 +24,7 @@ LAYERS = (
     ("rollout", {"rollout"}),
     ("data", {"data"}),
     ("sampling", {"sampling"}),  # dynamic sampling: drives engines (rollout) and the reward pool over datasets (data)
-    ("pipeline", {"pipeline"}),  # the trainer's view of the rollout side, colocated or asynchronous, and its controller
+    ("placement", {"placement"}),  # where the rollout side runs (colocated or async), as the trainer sees it
     # wiring
     ("entry", {"checkpoint", "trainer", "train", "launch", "demo", "evaluate", "hf_export", "hf_import", "preflight"}),
 )

@@ -1,6 +1,6 @@
 """tools/preflight.py's CPU subset end to end and how it reports a failing check; its code is in
-megatron_dapo/preflight/. (tools/stage_gpu_wheels.py, which installs the preflight's requirements onto GPU nodes
-without internet: tests/test_stage_gpu_wheels.py.)"""
+megatron_dapo/preflight/. (tools/offline_install, which installs the preflight's requirements onto GPU nodes
+without internet: tests/test_offline_install_wheels.py.)"""
 
 from __future__ import annotations
 

@@ -223,8 +223,8 @@ def test_the_waits_between_the_asynchronous_sides_end_at_the_collective_timeout(
     trainer.collective_timeout_s, then a TimeoutError naming what did not come (their own code, on a bare state)."""
     from types import SimpleNamespace
 
-    from megatron_dapo.pipeline.controller import RolloutController
-    from megatron_dapo.pipeline.remote import RemoteRollout
+    from megatron_dapo.placement.controller import RolloutController
+    from megatron_dapo.placement.remote import RemoteRollout
 
     train = SimpleNamespace(timeout_s=0.3, POLL_S=0.01)
     error, took = _ends(lambda: RemoteRollout._poll(train, lambda: False, "batch 7"))

@@ -31,7 +31,7 @@ from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
 from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree, tree_pids
 from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, end_stalled, read_stall, run_log_dir, watch_run
-from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+from megatron_dapo.placement.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 ROLLOUT_EXIT_GRACE_S = 60.0
 """After the train side has exited, how long the rollout side may take to stop before it is killed."""

@@ -43,7 +43,7 @@ from megatron_dapo.launch.local import ROLLOUT_EXIT_GRACE_S, STOP_SIGNALS
 from megatron_dapo.launch.procs import WORLD_ENV
 from megatron_dapo.launch.ray_worker import Worker
 from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, run_log_dir
-from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+from megatron_dapo.placement.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
 FORWARDED_PREFIXES = (
     "OMP_", "MKL_", "NCCL_", "GLOO_", "TORCH", "CUDA_", "NVIDIA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_",

@@ -345,7 +345,7 @@ def _train_e2e(tmp: Path) -> Result:
     from megatron_dapo.data.generator import generate_rows, write_jsonl
     from megatron_dapo.launch.procs import free_port_pair
     from megatron_dapo.model.tiny import build_tiny_qwen2
-    from megatron_dapo.pipeline.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
+    from megatron_dapo.placement.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
 
     model = build_tiny_qwen2(tmp / "model", hidden_size=256, intermediate_size=512, num_attention_heads=4)
     data = write_jsonl(tmp / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=64, seed=0))

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     why_not = {
         "cuda": f"needs CUDA: torch {torch.__version__} sees no GPU here",
         "vllm": "needs vLLM: not installed",
-        "te": "needs Transformer Engine: not installed (tools/stage_te.py builds and stages it for GPU nodes)",
+        "te": "needs Transformer Engine: not installed (`python tools/offline_install te` builds and stages it for GPU nodes)",
     }
     ctx: dict[str, Any] = {"fast": args.fast}
     rows: list[Row] = []

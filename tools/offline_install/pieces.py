@@ -1,8 +1,9 @@
 """Files cut into pieces of at most a given size, the manifest that checks them, and their reassembly.
 
-A file larger than a piece travels as byte ranges; gpu_stage/manifest.json records every file's size and sha256
-and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after
-reassembly. Standard library only (it runs on a GPU node before anything is installed there).
+A file larger than a piece travels as byte ranges; manifest.json records every file's size and sha256 and every
+chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file after reassembly; the
+same checks, reassembly and zip test serve both sets (`wheels`: gpu_stage/, `te`: te_stage/pieces/). Standard
+library only (it runs on a GPU node before anything is installed there).
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 MIB = 1 << 20
+PIECE_MIB = 60
+"""The largest piece by default (--piece-mib), for both sets."""
 
 
 def sha256_of(path: Path, offset: int = 0, size: int | None = None) -> str:
@@ -94,7 +98,7 @@ def write_pieces(src: Path, out: Path, files: list[Path], piece_bytes: int, meta
 
 
 def load_manifest(
-    stage: Path, expected: str = "run `python tools/stage_gpu_wheels.py stage` on the login node and copy it"
+    stage: Path, expected: str = "run `python tools/offline_install wheels stage` on the login node and copy it"
 ) -> dict:
     """stage/manifest.json; a missing one is one error line saying what was expected there."""
     path = stage / "manifest.json"
@@ -127,6 +131,67 @@ def reassemble(manifest: dict, find_chunk, out: Path) -> list[Path]:
             raise RuntimeError(f"{entry['name']}: reassembled file differs from the original (size or sha256)")
         paths.append(dst)
     return paths
+
+
+def check_layout(manifest: dict, pieces: Path) -> list[str]:
+    """Problems found without reading the data: each file's chunks cover it exactly, every chunk is present at its
+    size, no piece over the limit (in the manifest or on disk). Fast enough for every test run."""
+    problems = []
+    for entry in manifest["files"]:
+        pos = 0
+        for c in entry["chunks"]:
+            if c["offset"] != pos:
+                problems.append(f"{entry['name']}: chunk {c['file']} starts at {c['offset']}, expected {pos}")
+            pos = c["offset"] + c["size"]
+            path = pieces / c["piece"] / c["file"]
+            if not (pieces / c["piece"]).is_dir():
+                problems.append(f"{c['piece']}: piece folder missing (expected {path})")
+            elif not path.is_file():
+                problems.append(f"{c['piece']}/{c['file']}: missing from piece {c['piece']}")
+            elif path.stat().st_size != c["size"]:
+                problems.append(f"{c['piece']}/{c['file']}: {path.stat().st_size} bytes, expected {c['size']}")
+        if pos != entry["size"]:
+            problems.append(f"{entry['name']}: chunks cover {pos} bytes, expected {entry['size']}")
+    for piece, info in manifest["pieces"].items():
+        on_disk = sum(p.stat().st_size for p in (pieces / piece).iterdir()) if (pieces / piece).is_dir() else 0
+        for size in (info["bytes"], on_disk):
+            if size > manifest["piece_bytes"]:
+                problems.append(f"{piece}: {size} bytes, over the {manifest['piece_bytes']}-byte limit")
+    return sorted(set(problems))
+
+
+def check_all(manifest: dict, pieces: Path, out: Path) -> list[str]:
+    """Every chunk's size and sha256, then reassembly into out with every file's sha256, then a zip test."""
+    problems = check_layout(manifest, pieces)
+    for entry in manifest["files"]:
+        for c in entry["chunks"]:
+            why = check_chunk(pieces / c["piece"] / c["file"], c)
+            if why and why != "missing":  # missing is already reported, with its piece
+                problems.append(f"{c['piece']}/{c['file']}: {why} (piece {c['piece']} is corrupt: copy it again)")
+    if problems:
+        return sorted(set(problems))
+    try:
+        paths = reassemble(manifest, lambda c: pieces / c["piece"] / c["file"], out)
+    except RuntimeError as e:
+        return [str(e)]
+    for path in paths:
+        if path.suffix == ".whl":
+            try:
+                with zipfile.ZipFile(path) as z:
+                    bad = z.testzip()
+            except zipfile.BadZipFile as e:
+                bad = f"not a zip file ({e})"
+            if bad is not None:
+                problems.append(f"{path.name}: expected a valid wheel (zip), member {bad} is corrupt")
+    return problems
+
+
+def write_checksum_lists(manifest: dict, out: Path) -> None:
+    """out/chunks.sha256 (every chunk, as piece/file) and out/wheels.sha256 (every file, as wheels/name): what
+    `sha256sum -c` checks on a node without Python (the reassembled files in out/wheels)."""
+    chunks = [f"{c['sha256']}  {c['piece']}/{c['file']}" for e in manifest["files"] for c in e["chunks"]]
+    (out / "chunks.sha256").write_text("\n".join(chunks) + "\n")
+    (out / "wheels.sha256").write_text("".join(f"{e['sha256']}  wheels/{e['name']}\n" for e in manifest["files"]))
 
 
 def missing_chunks(manifest: dict, recv: Path, piece: str) -> list[str]:

@@ -8,15 +8,15 @@ a limited size at a time (and a broken copy is found piece by piece, not after a
 
 On the login node (any Python; downloads from PyPI):
 
-    python tools/stage_gpu_wheels.py stage       # resolve, download, split into gpu_stage/part_NN, write the manifest
-    python tools/stage_gpu_wheels.py verify      # reassemble in a temporary folder: sizes, sha256, zip test, pip dry run
-    python tools/stage_gpu_wheels.py commands    # what to run on a GPU node, per piece (JSON lines): the command and
-                                                 # the files it needs there; the last piece's installs
+    python tools/offline_install wheels stage     # resolve, download, split into gpu_stage/part_NN, write the manifest
+    python tools/offline_install wheels verify    # reassemble in a temporary folder: sizes, sha256, zip, pip dry run
+    python tools/offline_install wheels commands  # what to run on a GPU node, per piece (JSON lines): the command and
+                                                  # the files it needs there; the last piece's installs
 
 On a GPU node (its python3; only the standard library and `packaging`), with the checkout and the pieces copied:
 
-    python3 tools/stage_gpu_wheels.py receive gpu_stage/part_03   # check a piece against the manifest and keep it
-    python3 tools/stage_gpu_wheels.py install --target .gpu_site  # reassemble, check, pip install --no-index --no-deps
+    python3 tools/offline_install wheels receive gpu_stage/part_03   # check a piece against the manifest, keep it
+    python3 tools/offline_install wheels install --target .gpu_site  # reassemble, check, pip install --no-index
 
 What travels is derived, not listed by hand: the roots (vllm==0.25.0 and this package's install_requires, read from
 setup.py) and, recursively, every Requires-Dist of each downloaded wheel's METADATA for Python 3.12 on x86-64
@@ -29,8 +29,8 @@ prints any mismatch. A project with no wheel for the target is built on the logi
 Pieces (pieces.py): files are packed first-fit by decreasing size into folders of at most --piece-mib; a file
 larger than that (the vLLM wheel, 250 MB) is cut into byte ranges. gpu_stage/manifest.json records every file's
 size and sha256 and every chunk's piece, offset, size and sha256, so each piece is checked on arrival and each file
-after reassembly. Transformer Engine has its own tool, tools/stage_te.py: its PyTorch extension is compiled on the
-login node.
+after reassembly. Transformer Engine is the other set of this command line (`te`, te.py): its PyTorch extension is
+compiled on the login node. The pip steps both sets share are here: pip_target_args, pip_dry_run, check_present.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 from megatron_dapo.cli import argument_parser
 
 from .pieces import (
     MIB,
+    PIECE_MIB,
+    check_all,
     check_chunk,
     load_manifest,
     missing_chunks,
@@ -57,7 +58,6 @@ from .pieces import (
 from .wheels import EXCLUDE, PLATFORMS, REPO, TARGET_PYTHON, VLLM, Resolver, setup_requires
 
 STAGE = REPO / "gpu_stage"
-PIECE_MIB = 60
 TRANSFER_LIMIT = 64 * MIB
 """What `stage` checks one transfer against: a piece with the checkout (its tracked and untracked files) beside it,
 as the commands that `commands` prints copy them. Set it to your link's limit."""
@@ -130,44 +130,34 @@ def pip_target_args(target: Path) -> list[str]:
     ]
 
 
+def pip_dry_run(paths: list[Path], tmp: Path, extra_platforms: tuple[str, ...] = ()) -> tuple[list[str], int | None]:
+    """Would pip install every wheel for Python TARGET_PYTHON on x86-64 Linux (tags right) with --target? Returns
+    (problems, how many wheels it would install; None when it refused). extra_platforms: tags beyond manylinux
+    (linux_x86_64: a wheel built on the login node)."""
+    platforms = [x for p in [*PLATFORMS, *extra_platforms] for x in ("--platform", p)]
+    cross = ["--python-version", TARGET_PYTHON, "--implementation", "cp", *platforms, "--only-binary=:all:"]
+    report = tmp / "report.json"
+    cmd = [sys.executable, "-m", "pip", *pip_target_args(tmp / "site"), *cross, "--dry-run"]
+    proc = subprocess.run([*cmd, "-q", "--report", str(report), *map(str, paths)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [f"pip dry run (Python {TARGET_PYTHON}, x86-64 Linux) refused the set:\n{proc.stderr[-3000:]}"], None
+    return [], len(json.loads(report.read_text())["install"])
+
+
 def cmd_verify(args) -> int:
     manifest = load_manifest(args.out)
     limit = manifest["piece_bytes"]
-    problems = []
-    for piece in manifest["pieces"]:
-        size = sum(p.stat().st_size for p in (args.out / piece).iterdir())
-        if size > limit:
-            problems.append(f"{piece}: {size} bytes > {limit}")
-    for entry in manifest["files"]:
-        for chunk in entry["chunks"]:
-            why = check_chunk(args.out / chunk["piece"] / chunk["file"], chunk)
-            if why:
-                problems.append(f"{chunk['piece']}/{chunk['file']}: {why}")
-    if problems:
-        print("\n".join(problems))
-        return 1
     with tempfile.TemporaryDirectory() as tmp:
-        paths = reassemble(manifest, lambda c: args.out / c["piece"] / c["file"], Path(tmp) / "wheels")
-        for path in paths:
-            with zipfile.ZipFile(path) as z:
-                bad = z.testzip()
-            if bad is not None:
-                problems.append(f"{path.name}: zip member {bad} is corrupt")
-        platforms = [x for p in PLATFORMS for x in ("--platform", p)]
-        cross = ["--python-version", TARGET_PYTHON, "--implementation", "cp", *platforms, "--only-binary=:all:"]
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", *pip_target_args(Path(tmp) / "site"), *cross, "--dry-run"]
-        proc = subprocess.run([*cmd, "-q", "--report", str(report), *map(str, paths)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            problems.append(f"pip dry run failed:\n{proc.stderr[-3000:]}")
-        else:
-            would = len(json.loads(report.read_text())["install"])
-            print(f"pip install --dry-run (Python {TARGET_PYTHON}, manylinux x86-64) would install {would} wheels")
+        problems = check_all(manifest, args.out, Path(tmp) / "wheels")
+        if not problems:
+            problems, would = pip_dry_run(sorted((Path(tmp) / "wheels").glob("*.whl")), Path(tmp))
+            if would is not None:
+                print(f"pip install --dry-run (Python {TARGET_PYTHON}, manylinux x86-64) would install {would} wheels")
     sizes = [info["bytes"] for info in manifest["pieces"].values()]
     print(
         f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']) / 1e6:.1f} MB in {len(sizes)} "
         f"pieces (largest {max(sizes) / MIB:.1f} MiB <= {limit / MIB:.0f} MiB); every chunk and every reassembled file "
-        f"matches its sha256; zip test of each wheel " + ("FAILED" if problems else "passed")
+        f"against its sha256, zip test of each wheel: " + ("FAILED" if problems else "passed")
     )
     print("\n".join(problems))
     return 1 if problems else 0
@@ -197,9 +187,11 @@ def node_commands(manifest: dict, rel: str) -> list[dict]:
     pieces = list(manifest["pieces"])
     calls = []
     for i, piece in enumerate(pieces):
-        command = f"python3 tools/stage_gpu_wheels.py receive {rel}/{piece}"
+        command = f"python3 tools/offline_install wheels receive {rel}/{piece}"
         if i == len(pieces) - 1:
-            command += f" && python3 tools/stage_gpu_wheels.py install --target .gpu_site && {preflight_commands()[0]}"
+            command += (
+                f" && python3 tools/offline_install wheels install --target .gpu_site && {preflight_commands()[0]}"
+            )
         calls.append({"command": command, "carry": [f"{rel}/{piece}", f"{rel}/manifest.json"], "timeout_s": 600})
     calls.append({"command": preflight_commands()[1], "timeout_s": 600})
     return calls
@@ -288,8 +280,8 @@ def cmd_install(args) -> int:
     return proc.returncode
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argument_parser(__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argument_parser(__doc__, prog)
     ap.add_argument("--out", type=Path, default=STAGE, help="the staging folder (ignored by git)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     stage = sub.add_parser("stage", help="login node: resolve, download, split, write the manifest")

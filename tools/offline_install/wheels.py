@@ -4,8 +4,8 @@ platform.
 The roots (vllm==0.25.0 and setup.py's install_requires) and, recursively, every Requires-Dist of each downloaded
 wheel's METADATA for Python 3.12 on x86-64 Linux, except the packages in GPU_HAS (already on the GPU nodes' image)
 and in EXCLUDE (deliberately left behind, each with its reason). Both lists are plain constants, meant to be edited
-for another image. Standard library and `packaging` only: tools/stage_gpu_wheels.py runs on a GPU node before
-anything is installed.
+for another image. Standard library and `packaging` only: `python3 tools/offline_install wheels` runs on a GPU node
+before anything is installed.
 """
 
 from __future__ import annotations

@@ -9,22 +9,23 @@ torch. PyPI's torch 2.11.0 for x86-64 Linux is that CUDA 13.0 build and its nvid
 and NCCL headers, so the extension compiles on a CPU-only machine (a login node): no GPU and no nvcc are needed
 (TE reads the CUDA version from nvcc if there is one, else from the nvidia-cuda-runtime wheel).
 
-On the login node (internet; any Python with `packaging` runs this script, a Python 3.12 builds):
+On the login node (internet; any Python with `packaging` runs this, a Python 3.12 builds):
 
-    python tools/stage_te.py build      # te_stage/venv (3.12, torch 2.11.0), pip wheel the extension, download
-                                        # the rest into te_stage/wheels; log: te_stage/build.log (about 15 min)
-    python tools/stage_te.py split      # te_stage/pieces/part_NN + manifest.json + chunks.sha256, wheels.sha256
-    python tools/stage_te.py verify     # every chunk's sha256, reassembly, every file's sha256, zip test, pip dry run
-    python tools/stage_te.py verify --fast   # the same checks on a small set made on the spot (+ the staged
-                                             # manifest's consistency if there is one): seconds, no network
-    python tools/stage_te.py commands --target DIR   # the shell lines to run there (sha256sum, cat, pip)
+    python tools/offline_install te build    # te_stage/venv (3.12, torch 2.11.0), pip wheel the extension, download
+                                             # the rest into te_stage/wheels; log: te_stage/build.log (about 15 min)
+    python tools/offline_install te split    # te_stage/pieces/part_NN + manifest.json + chunks.sha256, wheels.sha256
+    python tools/offline_install te verify   # every chunk's sha256, reassembly, every file's sha256, zip, pip dry run
+    python tools/offline_install te verify --fast   # the same checks on a small set made on the spot (+ the staged
+                                                    # manifest's consistency if there is one): seconds, no network
+    python tools/offline_install te commands --target DIR   # the shell lines to run there (sha256sum, cat, pip)
 
 On a GPU node (its python3; standard library only): copy te_stage/pieces, then either run the printed lines or
 
-    python3 tools/stage_te.py install --pieces te_stage/pieces --target DIR
+    python3 tools/offline_install te install --pieces te_stage/pieces --target DIR
 
-The runtime requirements are derived, not listed: each staged wheel's Requires-Dist for Python 3.12 on x86-64
-Linux, followed as in tools/stage_gpu_wheels.py (tools/offline_install/wheels.py), skipping what the GPU nodes'
+Pieces, manifest, checks and reassembly are pieces.py's, as for the `wheels` set. The runtime requirements are
+derived, not listed: each staged wheel's Requires-Dist for Python 3.12 on x86-64 Linux, followed as for the `wheels`
+set (wheels.py), skipping what the GPU nodes'
 image already has (GPU_HAS: torch, einops, onnx, onnxscript, packaging...). nvidia-cudnn-frontend, which the vLLM set
 leaves behind, is staged here: the extension requires it.
 """
@@ -44,14 +45,12 @@ import zipfile
 from pathlib import Path
 from unittest import mock
 
-# as in tools/stage_gpu_wheels.py: offline_install from beside this script, the project from this checkout
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from megatron_dapo.cli import argument_parser
 
-from offline_install.pieces import MIB, check_chunk, load_manifest, reassemble, write_pieces  # noqa: E402
+from .pieces import MIB, PIECE_MIB, check_all, check_layout, load_manifest, write_checksum_lists, write_pieces
+from .staging import check_present, pip_dry_run, pip_target_args
+from .wheels import REPO
 
-from megatron_dapo.cli import argument_parser  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 STAGE = REPO / "te_stage"
 TE_VERSION = "2.20.2"
 TORCH = "torch==2.11.0"
@@ -68,13 +67,12 @@ BUILD_ENV = {
     "NVTE_FRAMEWORK": "pytorch",
 }
 TE_NEEDS = ("nvidia-cudnn-frontend",)
-"""In tools/offline_install/wheels.py's EXCLUDE (vLLM does not need it), but transformer-engine-torch requires it."""
-PIECE_MIB = 60
+"""In wheels.py's EXCLUDE (vLLM does not need it), but transformer-engine-torch requires it."""
 PURE_PLATFORM = "linux_x86_64"  # the tag `pip wheel` gives the extension built here
 
 
 def log(msg: str, logfile: Path | None = None) -> None:
-    line = f"[stage_te {time.strftime('%H:%M:%S')}] {msg}"
+    line = f"[offline_install te {time.strftime('%H:%M:%S')}] {msg}"
     print(line, flush=True)
     if logfile is not None:
         with open(logfile, "a") as f:
@@ -110,7 +108,7 @@ def find_python312(given: str | None) -> str:
 
 
 def cmd_build(args) -> int:
-    from offline_install import wheels as wheelmod
+    from . import wheels as wheelmod
 
     t0 = time.perf_counter()
     stage, wheels = args.stage, args.stage / "wheels"
@@ -188,7 +186,7 @@ def cmd_build(args) -> int:
 def cmd_split(args) -> int:
     build_json = args.stage / "build.json"
     if not build_json.is_file():
-        raise SystemExit(f"{build_json} is missing: run `python tools/stage_te.py build` first")
+        raise SystemExit(f"{build_json} is missing: run `python tools/offline_install te build` first")
     build = json.loads(build_json.read_text())
     wheels = args.stage / "wheels"
     files = [wheels / w["name"] for w in build["wheels"]]
@@ -208,65 +206,12 @@ def split(src: Path, out: Path, files: list[Path], piece_bytes: int, meta: dict)
     """write_pieces, plus chunks.sha256 and wheels.sha256 so that `sha256sum -c` checks them without Python."""
     out.mkdir(parents=True, exist_ok=True)
     manifest = write_pieces(src, out, files, piece_bytes, meta)
-    chunks = [f"{c['sha256']}  {c['piece']}/{c['file']}" for e in manifest["files"] for c in e["chunks"]]
-    (out / "chunks.sha256").write_text("\n".join(chunks) + "\n")
-    (out / "wheels.sha256").write_text("".join(f"{e['sha256']}  wheels/{e['name']}\n" for e in manifest["files"]))
+    write_checksum_lists(manifest, out)
     return manifest
 
 
 def load(pieces: Path) -> dict:
     return load_manifest(pieces, "expected the pieces folder that `split` wrote (part_NN + manifest.json)")
-
-
-def check_layout(manifest: dict, pieces: Path) -> list[str]:
-    """Problems found without reading the data: each file's chunks cover it exactly, every chunk is present at its
-    size, no piece over the limit. Fast enough for every test run."""
-    problems = []
-    for entry in manifest["files"]:
-        pos = 0
-        for c in entry["chunks"]:
-            if c["offset"] != pos:
-                problems.append(f"{entry['name']}: chunk {c['file']} starts at {c['offset']}, expected {pos}")
-            pos = c["offset"] + c["size"]
-            path = pieces / c["piece"] / c["file"]
-            if not (pieces / c["piece"]).is_dir():
-                problems.append(f"{c['piece']}: piece folder missing (expected {path})")
-            elif not path.is_file():
-                problems.append(f"{c['piece']}/{c['file']}: missing from piece {c['piece']}")
-            elif path.stat().st_size != c["size"]:
-                problems.append(f"{c['piece']}/{c['file']}: {path.stat().st_size} bytes, expected {c['size']}")
-        if pos != entry["size"]:
-            problems.append(f"{entry['name']}: chunks cover {pos} bytes, expected {entry['size']}")
-    for piece, info in manifest["pieces"].items():
-        if info["bytes"] > manifest["piece_bytes"]:
-            problems.append(f"{piece}: {info['bytes']} bytes, over the {manifest['piece_bytes']}-byte limit")
-    return sorted(set(problems))
-
-
-def check_all(manifest: dict, pieces: Path, out: Path) -> list[str]:
-    """Every chunk's size and sha256, then reassembly into out with every file's sha256, then a zip test."""
-    problems = check_layout(manifest, pieces)
-    for entry in manifest["files"]:
-        for c in entry["chunks"]:
-            why = check_chunk(pieces / c["piece"] / c["file"], c)
-            if why and why != "missing":  # missing is already reported, with its piece
-                problems.append(f"{c['piece']}/{c['file']}: {why} (piece {c['piece']} is corrupt: copy it again)")
-    if problems:
-        return sorted(set(problems))
-    try:
-        paths = reassemble(manifest, lambda c: pieces / c["piece"] / c["file"], out)
-    except RuntimeError as e:
-        return [str(e)]
-    for path in paths:
-        if path.suffix == ".whl":
-            try:
-                with zipfile.ZipFile(path) as z:
-                    bad = z.testzip()
-            except zipfile.BadZipFile as e:
-                bad = f"not a zip file ({e})"
-            if bad is not None:
-                problems.append(f"{path.name}: expected a valid wheel (zip), member {bad} is corrupt")
-    return problems
 
 
 def selftest() -> list[str]:
@@ -311,7 +256,8 @@ def cmd_verify(args) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check_all(manifest, pieces, Path(tmp) / "wheels")
             if not problems:
-                problems = pip_dry_run(sorted((Path(tmp) / "wheels").glob("*.whl")), Path(tmp))
+                paths = sorted((Path(tmp) / "wheels").glob("*.whl"))
+                problems, _ = pip_dry_run(paths, Path(tmp), extra_platforms=(PURE_PLATFORM,))
         sizes = [i["bytes"] for i in manifest["pieces"].values()]
         what = (
             f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']) / 1e6:.1f} MB in "
@@ -321,22 +267,6 @@ def cmd_verify(args) -> int:
         print(p)
     print(f"{what}: {'FAILED' if problems else 'ok'} ({time.perf_counter() - t0:.1f} s)")
     return 1 if problems else 0
-
-
-def pip_dry_run(paths: list[Path], tmp: Path) -> list[str]:
-    """pip accepts every wheel for Python 3.12 x86-64 Linux (tags right) when installing with --target."""
-    from offline_install.staging import pip_target_args
-    from offline_install.wheels import PLATFORMS
-
-    platforms = [x for p in [*PLATFORMS, PURE_PLATFORM] for x in ("--platform", p)]
-    cross = ["--python-version", "3.12", "--implementation", "cp", *platforms, "--only-binary=:all:", "--dry-run"]
-    cmd = [sys.executable, "-m", "pip", *pip_target_args(tmp / "site"), *cross, "-q", *map(str, paths)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    return (
-        []
-        if proc.returncode == 0
-        else [f"pip dry run (Python 3.12, x86-64 Linux) refused the set:\n{proc.stderr[-3000:]}"]
-    )
 
 
 def shell_lines(manifest: dict, pieces: str, target: str) -> list[str]:
@@ -366,8 +296,6 @@ def cmd_commands(args) -> int:
 
 def cmd_install(args) -> int:
     """There: check every chunk, reassemble, check every wheel, pip install --no-index --no-deps --target."""
-    from offline_install.staging import check_present, pip_target_args
-
     manifest = load(args.pieces)
     with tempfile.TemporaryDirectory() as tmp:  # the pieces may sit on a read-only shared file system
         problems = check_all(manifest, args.pieces, Path(tmp))
@@ -383,8 +311,8 @@ def cmd_install(args) -> int:
     return proc.returncode
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argument_parser(__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argument_parser(__doc__, prog)
     ap.add_argument("--stage", type=Path, default=STAGE, help="the staging folder (ignored by git)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     build = sub.add_parser("build", help="here: Python 3.12 venv with torch 2.11.0, compile the extension, download")

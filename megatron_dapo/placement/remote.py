@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from megatron_dapo import progress
 from megatron_dapo.config import ConfigError
-from megatron_dapo.pipeline.transport import Transport
+from megatron_dapo.placement.transport import Transport
 from megatron_dapo.sampling.exchange import SampleId
 from megatron_dapo.sampling.loader import DynamicSamplingError, StepBatch
 from megatron_dapo.types import Prompt, Response

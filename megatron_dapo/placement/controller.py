@@ -42,16 +42,16 @@ from typing import Any, Optional
 
 from megatron_dapo import progress
 from megatron_dapo.config import Config, ConfigError
-from megatron_dapo.pipeline.rollout import build_rollout_parts
-from megatron_dapo.pipeline.transport import Transport, transport_backend
+from megatron_dapo.placement.colocated import build_rollout_parts
+from megatron_dapo.placement.transport import Transport, transport_backend
 from megatron_dapo.sampling.exchange import Comm
 from megatron_dapo.sampling.loader import DynamicSamplingError
 
-log = logging.getLogger("megatron_dapo.pipeline")
+log = logging.getLogger("megatron_dapo.placement")
 
 
 def run_rollout(cfg: Config) -> None:
-    """A rollout process: build the engine, pool, evaluator and loader (as a colocated rank does: pipeline/rollout.py),
+    """A rollout process: build the engine, pool, evaluator and loader (as a colocated rank does: colocated.py),
     then serve the train side until it says stop."""
     from transformers import AutoTokenizer
 

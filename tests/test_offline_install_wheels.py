@@ -1,5 +1,6 @@
-"""tools/stage_gpu_wheels.py (tools/offline_install/): its pieces, manifest and reassembly on synthetic files, the
-GPU node's side (receive, install) refusing a damaged or missing piece, and the commands it prints. No network."""
+"""`python tools/offline_install wheels` (tools/offline_install/staging.py, pieces.py): its pieces, manifest and
+reassembly on synthetic files, the GPU node's side (receive, install) refusing a damaged or missing piece, and the
+commands it prints. No network."""
 
 from __future__ import annotations
 

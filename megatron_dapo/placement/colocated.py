@@ -1,60 +1,21 @@
-"""What the trainer needs of the rollout side, and the colocated implementation of it.
+"""The colocated rollout side (pipeline.mode=colocated): the engines, reward pool and loader in the train processes.
 
-`Rollout` is the trainer's whole view of generation, in either pipeline.mode: the next batch (collected by the
-dynamic-sampling loader), the responses this rank trains, the weight sync, held-out evaluation, the loader state a
-checkpoint holds, and closing. ColocatedRollout runs the engine, reward pool and loader in the train processes
-(every rank one engine share, docs/architecture.md); RemoteRollout (remote.py) is the train side's end of the
-asynchronous rollout processes (controller.py). make_rollout picks one by pipeline.mode; build_rollout_parts builds
-the engine, pool, evaluator and loader for ColocatedRollout and for the rollout processes alike.
+ColocatedRollout implements the `Rollout` protocol (protocol.py) with every rank driving its engine share and loader
+(docs/architecture.md); build_rollout_parts builds the engine, pool, evaluator and loader for ColocatedRollout and for
+the asynchronous rollout processes (controller.py) alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from megatron_dapo.config import Config
 from megatron_dapo.rollout.held_out import HeldOutEval
 from megatron_dapo.sampling.exchange import Comm, RouteShape, SampleId, deliver
 from megatron_dapo.sampling.loader import DynamicSamplingLoader, StepBatch
 from megatron_dapo.types import Prompt, Response
-
-
-class Rollout(Protocol):
-    """The rollout side as the trainer uses it; every method is collective over the train world."""
-
-    def start(self) -> None:
-        """Begin serving: after load_state_dict (a resumed run), before the first sync."""
-
-    def next_batch(self) -> StepBatch:
-        """The next rollout step's groups (every rank the same list), with the responses this rank holds."""
-
-    def responses(
-        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
-    ) -> tuple[dict[SampleId, Response], float]:
-        """(key, j) -> Response for at least every id wanted_by(this rank) (wanted_by(rank): the ids rank trains);
-        and the bytes this rank sent for it."""
-
-    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
-        """Stream the bridge's weights (version: rollout steps they have trained) into the engines; evaluate: these
-        weights are the ones held_out() evaluates next. Returns the sync's metrics."""
-
-    def evaluate(
-        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
-    ) -> dict[str, float]:
-        """avg@k and pass@k on prompts with the engines' current weights (HeldOutEval)."""
-
-    def held_out(self) -> dict[str, float]:
-        """The eval section's evaluation on data.val_files of the weights last synced with evaluate=True."""
-
-    def state_dict(self) -> Any:
-        """The loader state after the last batch (what the trainer's checkpoint holds)."""
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-    def close(self) -> None:
-        """Stop the engines (or the rollout processes); safe to call once whatever start() reached."""
 
 
 @dataclass
@@ -193,20 +154,3 @@ def route_shape(cfg: Config, dataset: Any) -> Optional[Callable[[StepBatch], Rou
         return RouteShape(rows, len(arch.moe_layers), arch.num_experts_per_tok, route_dtype(arch.num_experts))
 
     return shape
-
-
-def make_rollout(cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> Rollout:
-    """pipeline.mode's Rollout for this train rank (comm: the train world's): colocated, or the end of the
-    asynchronous rollout processes, which the launcher told this process where to meet (transport.py)."""
-    if cfg.pipeline.mode == "async":
-        from megatron_dapo.pipeline.remote import RemoteRollout
-        from megatron_dapo.pipeline.transport import Transport, transport_backend
-
-        return RemoteRollout(
-            Transport.from_env(),
-            comm.rank,
-            cfg.pipeline.rollout_gpus,
-            transport_backend(cfg),
-            cfg.trainer.collective_timeout_s,
-        )
-    return ColocatedRollout(cfg, tokenizer, dataset, comm)
