@@ -5,7 +5,8 @@ The config validates against them and the modules that act on them import them f
 config loads no torch, Triton or verifier code.
 """
 
-from megatron_dapo.algorithm import objectives, rollout_correction  # noqa: F401 (importing them fills the registry)
+import megatron_dapo.algorithm.objectives  # noqa: F401 (importing them fills the registry)
+import megatron_dapo.algorithm.rollout_correction  # noqa: F401
 from megatron_dapo.algorithm.registry import CORRECTIONS, OBJECTIVES
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -14,9 +14,10 @@ import torch
 
 from megatron_dapo.algorithm import registry
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
+from megatron_dapo.algorithm.mismatch import mismatch_metrics, rollout_mismatch_sums
 from megatron_dapo.algorithm.policy_loss import policy_loss
 from megatron_dapo.algorithm.registry import OBJECTIVES, Correction, Flags, TokenLossInput
-from megatron_dapo.algorithm.rollout_correction import correction_weight, mismatch_metrics, rollout_mismatch_sums
+from megatron_dapo.algorithm.rollout_correction import correction_weight
 from megatron_dapo.choices import LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from megatron_dapo.config import ConfigError, load_config
 

@@ -28,8 +28,6 @@ from megatron_dapo.algorithm.registry import CORRECTIONS, Correction, correction
 if TYPE_CHECKING:
     import torch
 
-NO_CORRECTION = Correction()
-
 
 @correction("token_tis", high="tis_cap")
 def _truncated_is(w: torch.Tensor, low: Optional[float], high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +73,7 @@ def _kept(w: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return (w >= low) & (w <= high)
 
 
-def _log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, log_ratio_clamp: float) -> torch.Tensor:
+def rollout_log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, log_ratio_clamp: float) -> torch.Tensor:
     """[R] float64: log w = old_logp - rollout_logp per token, clamped so that exp() stays finite."""
     return (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
 
@@ -101,57 +99,8 @@ def correction_weight(
     spec = CORRECTIONS[mode]
     if (spec.high is not None and (high is None or high <= 0)) or (spec.low is not None and low is None):
         raise ValueError(f"rollout correction {mode!r}: bounds low={low}, high={high} (need high > 0, and low)")
-    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
+    log_w = rollout_log_ratio(old_logp, rollout_logp, log_ratio_clamp)
     if spec.per_sequence:  # the geometric mean, on every token of the response (1 for an empty response)
         log_w = log_w.mean().expand(log_w.shape) if log_w.numel() else log_w
     weight, corrected = spec.weight(torch.exp(log_w), low, high)
     return weight.float(), corrected
-
-
-MISMATCH_KEYS = ("abs_sum", "kl_sum", "corrected", "tokens", "corrected_seqs", "seqs")
-
-
-def rollout_mismatch_sums(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    correction: Correction = NO_CORRECTION,
-    log_ratio_clamp: float = 20.0,
-) -> torch.Tensor:
-    """How far the rollout engine's policy is from the training policy, over one response's tokens.
-
-    old_logp, rollout_logp: [N] the response's logprobs under the training policy (recomputed) and the engine (as
-    sampled). With w = exp(old_logp - rollout_logp) per token, returns [6] float64 sums (MISMATCH_KEYS): sum
-    |old_logp - rollout_logp|; sum (w - 1) - log w, the k3 estimate of KL(pi_rollout || pi_train) (>= 0 per token,
-    unbiased under the rollout's samples); the tokens the correction capped or masked; N; 1 if it capped or
-    masked any token of the response; 1 (the response). Sums, so ranks, micro-batches and responses add them.
-    """
-    import torch
-
-    from megatron_dapo.algorithm.kl import k3
-
-    _, corrected = correction_weight(old_logp, rollout_logp, correction, log_ratio_clamp)
-    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
-    return torch.tensor(
-        [
-            float(log_w.abs().sum()),
-            float(k3(log_w).sum()),
-            float(corrected.sum()),
-            float(log_w.numel()),
-            float(corrected.any()),
-            1.0,
-        ],
-        dtype=torch.float64,
-    )
-
-
-def mismatch_metrics(sums: torch.Tensor, correction: Correction = NO_CORRECTION) -> dict[str, float]:
-    """Means for the logs from rollout_mismatch_sums' [6] totals (zero when no token had both logprobs):
-    rollout/logp_mismatch_mean and rollout/kl per token; with a correction on, rollout/corrected_frac (the tokens
-    capped or masked) and, for a sequence mode, rollout/corrected_seq_frac (the responses)."""
-    abs_sum, kl_sum, corrected, tokens, corrected_seqs, seqs = (float(x) for x in sums)
-    out = {"rollout/logp_mismatch_mean": abs_sum / max(tokens, 1.0), "rollout/kl": kl_sum / max(tokens, 1.0)}
-    if correction.mode != "none":
-        out["rollout/corrected_frac"] = corrected / max(tokens, 1.0)
-    if CORRECTIONS[correction.mode].per_sequence:
-        out["rollout/corrected_seq_frac"] = corrected_seqs / max(seqs, 1.0)
-    return out
