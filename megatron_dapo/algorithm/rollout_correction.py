@@ -36,7 +36,7 @@ def _truncated_is(w: torch.Tensor, low: Optional[float], high: float) -> tuple[t
     return weight, corrected
 
 
-correction("seq_tis", high="tis_cap", per_sequence=True)(_truncated_is)
+correction("seq_tis", high="tis_cap", per_sequence=True)(_truncated_is)  # the same, of the response's W
 
 
 @correction("token_mask", low="rollout_mask_low", high="rollout_mask_high")
@@ -48,7 +48,7 @@ def _mask(w: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch
     return torch.where(kept, torch.ones_like(w), torch.zeros_like(w)), ~kept
 
 
-correction("seq_mask", low="rollout_mask_low", high="rollout_mask_high", per_sequence=True)(_mask)
+correction("seq_mask", low="rollout_mask_low", high="rollout_mask_high", per_sequence=True)(_mask)  # of W
 
 
 @correction("icepop", low="icepop_low", high="icepop_high")
