@@ -1,8 +1,13 @@
-"""The allowed values of the config's string fields: a leaf that imports nothing.
+"""The allowed values of the config's string fields: a leaf that imports only the torch-free registry of objectives
+and rollout corrections (algorithm/registry.py, filled where each is defined).
 
 The config validates against them and the modules that act on them import them from here, so reading a
 config loads no torch, Triton or verifier code.
 """
+
+import megatron_dapo.algorithm.objectives  # noqa: F401 (importing them fills the registry)
+import megatron_dapo.algorithm.rollout_correction  # noqa: F401
+from megatron_dapo.algorithm.registry import CORRECTIONS, OBJECTIVES
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """algorithm.loss_agg_mode: DAPO's token-level mean, GRPO's per-sequence mean of token means, the mean over
@@ -18,14 +23,15 @@ proportional to the excess over a soft maximum."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The per-token estimators of KL(pi || pi_ref) (algorithm/kl.py)."""
 
-POLICY_LOSSES = ("dapo", "gspo", "gspo_token", "cispo")
-"""algorithm.policy_loss: the objective (algorithm/objectives.py): DAPO's token-level decoupled clip, GSPO's
-sequence-level ratio and clip (Zheng et al. 2025) and its per-token variant, CISPO's clipped, stop-gradient
-importance weight on every token's log-likelihood (MiniMax-M1)."""
+POLICY_LOSSES = tuple(OBJECTIVES)
+"""algorithm.policy_loss: the built-in objectives (algorithm/objectives.py registers each): DAPO's token-level
+decoupled clip, GSPO's sequence-level ratio and clip (Zheng et al. 2025) and its per-token variant, CISPO's
+clipped, stop-gradient importance weight on every token's log-likelihood (MiniMax-M1). The config validates
+against the registry itself, so an objective registered later (a test's) is accepted too."""
 
-ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask", "icepop", "none")
-"""algorithm.rollout_correction: how the rollout engine's policy differing from the trainer's is corrected
-(algorithm/rollout_correction.py): truncated IS per token or per sequence, masking tokens or sequences whose ratio
+ROLLOUT_CORRECTIONS = tuple(CORRECTIONS)
+"""algorithm.rollout_correction: the built-in modes (algorithm/rollout_correction.py registers each), how the
+rollout engine's policy differing from the trainer's is corrected: truncated IS per token or per sequence, masking tokens or sequences whose ratio
 leaves the bounds, IcePop's two-sided token masking, or nothing."""
 
 LOSS_IMPLS = ("auto", "reference", "fused")

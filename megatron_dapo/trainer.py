@@ -32,15 +32,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import progress
-from megatron_dapo.algorithm import (
-    MISMATCH_KEYS,
-    group_advantages,
-    kl_estimate,
-    kl_penalized_rewards,
-    mismatch_metrics,
-    overlong_filter_mask,
-    rollout_mismatch_sums,
-)
+from megatron_dapo.algorithm.advantages import group_advantages
+from megatron_dapo.algorithm.kl import kl_estimate, kl_penalized_rewards
+from megatron_dapo.algorithm.mismatch import MISMATCH_KEYS, mismatch_metrics, rollout_mismatch_sums
+from megatron_dapo.algorithm.overlong import overlong_filter_mask
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.policy import TrainSample

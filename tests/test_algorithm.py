@@ -7,21 +7,12 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.algorithm import (
-    LOSS_AGG_MODES,
-    excess_overlong_penalty,
-    group_advantages,
-    informative_groups,
-    kl_estimate,
-    kl_penalized_rewards,
-    loss_metrics,
-    loss_normalizer,
-    overlong_filter_mask,
-    policy_loss,
-    reduce_stats,
-    soft_overlong_punishment,
-)
-from megatron_dapo.choices import KL_ESTIMATORS
+from megatron_dapo.algorithm.advantages import group_advantages
+from megatron_dapo.algorithm.filters import informative_groups
+from megatron_dapo.algorithm.kl import kl_estimate, kl_penalized_rewards
+from megatron_dapo.algorithm.overlong import excess_overlong_penalty, overlong_filter_mask, soft_overlong_punishment
+from megatron_dapo.algorithm.policy_loss import loss_metrics, loss_normalizer, policy_loss, reduce_stats
+from megatron_dapo.choices import KL_ESTIMATORS, LOSS_AGG_MODES
 
 # ------------------------------------------------------------------ references (float64, plain Python)
 

@@ -22,9 +22,9 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_dapo.algorithm import LOSS_AGG_MODES, STAT_KEYS, loss_normalizer, policy_loss  # noqa: E402
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl  # noqa: E402
-from megatron_dapo.choices import KL_ESTIMATORS  # noqa: E402
+from megatron_dapo.algorithm.policy_loss import STAT_KEYS, loss_normalizer, policy_loss  # noqa: E402
+from megatron_dapo.choices import KL_ESTIMATORS, LOSS_AGG_MODES  # noqa: E402
 from megatron_dapo.kernels import fused_policy_loss, fused_runs_on  # noqa: E402
 from megatron_dapo.kernels import ratio_clip_reduce as rcr  # noqa: E402
 

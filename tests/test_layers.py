@@ -14,8 +14,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = (
-    # leaves: the config tree, records, the policy loss's result type, the command line
-    ("base", {"choices", "cli", "config", "types", "timing", "loss_result", "progress", "safe_pickle"}),
+    # leaves: the config tree, records, the policy loss's result type, the command line; and algorithm/'s torch-free
+    # records of objectives and rollout corrections with the modules that fill them, whose names the config allows
+    (
+        "base",
+        {"choices", "cli", "config", "types", "timing", "loss_result", "progress", "safe_pickle"}
+        | {"algorithm.registry", "algorithm.objectives", "algorithm.rollout_correction"},
+    ),
     ("kernels", {"kernels"}),  # the fused Triton loss: below algorithm/, whose loss registry picks it
     ("algorithm", {"algorithm"}),  # pure tensor math
     ("reward", {"reward"}),
@@ -62,8 +67,10 @@ def imported_modules(module: str, source: str, is_package: bool, known: set[str]
 
 
 def layer(module: str) -> int:
-    """The layer of a megatron_dapo module: that of its first name under the package."""
-    name = module.split(".")[1]
+    """The layer of a megatron_dapo module: that of its first name under the package, or of its first two where
+    LAYERS names them (algorithm.registry)."""
+    name = ".".join(module.split(".")[1:3])
+    name = name if name in LAYER_OF else module.split(".")[1]
     if name not in LAYER_OF:
         raise KeyError(f"{module}: its first name {name!r} is in no layer (add it to LAYERS and the docs)")
     return LAYER_OF[name]

@@ -1,17 +1,25 @@
 """The objectives (dapo, gspo, gspo_token, cispo) and the rollout-correction modes against their formulas written out
 in float64 here, one response at a time, with fresh random inputs: responses of different lengths, an all-masked
-one, ratios beyond every bound, packed rows, micro-batch splits and bad input."""
+one, ratios beyond every bound, packed rows, micro-batch splits and bad input. Then an objective registered here
+alone (docs/training.md's example of adding one), trained through policy_loss, an optimizer step and the config."""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_dapo.algorithm import Correction, correction_weight, mismatch_metrics, policy_loss, rollout_mismatch_sums
+from megatron_dapo.algorithm import registry
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
+from megatron_dapo.algorithm.mismatch import mismatch_metrics, rollout_mismatch_sums
+from megatron_dapo.algorithm.policy_loss import policy_loss
+from megatron_dapo.algorithm.registry import OBJECTIVES, Correction, Flags, TokenLossInput
+from megatron_dapo.algorithm.rollout_correction import correction_weight
 from megatron_dapo.choices import LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+from megatron_dapo.config import ConfigError, load_config
 
 BOUNDS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (None, 4.0)}
 MAX_LEN = 12  # seq-mean-token-sum-norm's constant
@@ -377,3 +385,97 @@ def test_rollout_mismatch_against_float64_reference(mode, seed):
     empty = rollout_mismatch_sums(torch.zeros(0), torch.zeros(0), correction)
     assert empty.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert mismatch_metrics(empty * 0, correction)["rollout/kl"] == 0.0
+
+
+# ------------------------------------------------------------------ the registries and the docs' tables
+
+
+def docs_rows(title: str) -> dict[str, str]:
+    """docs/training.md's table under `### title`: first cell's name -> its Bounds cell (the third)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text()
+    section = text.split(f"### {title}\n", 1)[1].split("\n### ", 1)[0]
+    table = section.split("\n\n|", 1)[1].split("\n\n", 1)[0].splitlines()  # the section's first table
+    rows = [line.split("|")[1:-1] for line in table[2:]]  # below its header and separator
+    return {re.match(r" `(\w+)`", cells[0]).group(1): cells[2] for cells in rows}
+
+
+def test_the_docs_tables_list_every_registered_objective_and_correction_with_its_keys():
+    for title, records in (("Objectives: DAPO, GSPO, CISPO", OBJECTIVES), ("Rollout correction", registry.CORRECTIONS)):
+        rows = docs_rows(title)
+        assert list(rows) == list(records), title
+        for name, record in records.items():
+            keys = {k for k in (record.low, record.high) if k is not None}
+            assert set(re.findall(r"`(\w+)`", rows[name])) == keys, (title, name)
+
+
+# ------------------------------------------------------------------ adding an objective (docs/training.md's example)
+
+
+def clip_both_loss(x: TokenLossInput) -> tuple[torch.Tensor, Flags]:
+    """-clip(r, 1 - eps_low, 1 + eps_high) A: no PPO min, so the clip zeroes the gradient beyond either bound."""
+    ratio = torch.exp(x.log_ratio)
+    r = ratio.detach()
+    flags = {"ratio": r, "clip_low": r < 1.0 - x.eps_low, "clip_high": r > 1.0 + x.eps_high}
+    return -x.adv * ratio.clamp(1.0 - x.eps_low, 1.0 + x.eps_high), flags
+
+
+@pytest.fixture
+def clip_both():
+    """The objective registered for one test: the registry is a process-wide dict, so it goes again after."""
+    registry.objective("clip_both", low="eps_low", high="eps_high")(clip_both_loss)
+    try:
+        yield "clip_both"
+    finally:
+        del OBJECTIVES["clip_both"]
+
+
+def test_a_registered_objective_trains_through_policy_loss_and_an_optimizer_step(clip_both):
+    """A tiny softmax policy, one SGD step on clip_both's seq-mean-token-mean loss with a token_tis weight: the
+    updated weights match the same step in float64 with the formula written out."""
+    g = torch.Generator().manual_seed(0)
+    b, t, d, vocab, lr, low, high = 3, 6, 4, 5, 0.5, 0.2, 0.28
+    feats, tokens = torch.randn(b, t, d, generator=g), torch.randint(0, vocab, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 4:] = False
+    adv, is_weight = torch.tensor([1.0, -0.5, 2.0]), torch.rand(b, t, generator=g) + 0.5
+    w0 = torch.randn(d, vocab, generator=g)
+
+    def logp_of(w):  # [B, T]: log pi(y_t) of the sampled tokens
+        return torch.log_softmax(feats.to(w.dtype) @ w, dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+    old = logp_of(w0 + 0.3 * torch.randn(d, vocab, generator=g)).detach()  # ratios on both sides of the clip
+    resolved = resolve_loss_impl("auto", True, clip_both)
+    assert resolved == "reference"  # no fused kernel for it
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([w], lr=lr)
+    out = policy_loss_fn(resolved, clip_both)(
+        logp_of(w), old, adv, mask, eps_low=low, eps_high=high, is_weight=is_weight,
+        loss_agg_mode="seq-mean-token-mean",
+    )  # fmt: skip
+    (out.loss_sum / out.normalizer).backward()
+    opt.step()
+
+    w64 = w0.double().requires_grad_(True)
+    r = torch.exp(logp_of(w64) - old.double())
+    clipped = r.clamp(1 - low, 1 + high)
+    losses = [(-adv[i] * clipped[i] * is_weight[i].double())[mask[i]].mean() for i in range(b)]
+    (grad,) = torch.autograd.grad(sum(losses) / b, w64)
+    torch.testing.assert_close(w.detach().double(), w0.double() - lr * grad, rtol=1e-5, atol=1e-6)
+    assert float(out.stats["clip_low"] + out.stats["clip_high"]) == float(((r < 1 - low) | (r > 1 + high))[mask].sum())
+    assert 0 < float(out.stats["clip_low"] + out.stats["clip_high"]) < float(mask.sum())
+
+
+def test_a_registered_objective_is_a_config_value_with_its_own_settings(clip_both):
+    a = load_config(overrides=[f"algorithm.policy_loss={clip_both}", "algorithm.eps_low=0.1"]).algorithm
+    assert a.clip_bounds() == (0.1, 0.28)
+    with pytest.raises(ConfigError, match=f"algorithm.dual_clip_c=3.0: expected null with policy_loss='{clip_both}'"):
+        load_config(overrides=[f"algorithm.policy_loss={clip_both}", "algorithm.dual_clip_c=3"])
+    with pytest.raises(ConfigError, match="algorithm.loss_impl='fused': expected 'auto' or 'reference'"):
+        load_config(overrides=[f"algorithm.policy_loss={clip_both}", "algorithm.loss_impl=fused"])
+
+
+def test_a_registered_objective_leaves_no_trace():
+    """The fixture's objective is gone once its tests end (this runs after them in file order)."""
+    assert "clip_both" not in OBJECTIVES and list(OBJECTIVES) == list(POLICY_LOSSES)
+    with pytest.raises(ValueError, match="is registered already"):
+        registry.objective("dapo", low="eps_low", high="eps_high")(clip_both_loss)

@@ -132,7 +132,7 @@ def test_r3_lowers_the_rollout_kl_of_a_bf16_engine(ran):
     """A real mismatch: a bf16 engine flips some near-tied routes that the fp32 trainer picks the other way. Replaying
     the engine's routes makes the trainer's logprobs closer to the engine's: rollout/kl (k3 per token, the trainer's
     metric) falls."""
-    from megatron_dapo.algorithm import mismatch_metrics, rollout_mismatch_sums
+    from megatron_dapo.algorithm.mismatch import mismatch_metrics, rollout_mismatch_sums
 
     got = result(ran, "moe-routes")["bfloat16"]
     flipped = sum(int((~_same_routes(e, r)).sum()) for e, r in zip(got["engine_routes"], got["recorded_routes"]))

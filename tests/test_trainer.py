@@ -20,7 +20,7 @@ import pytest
 import torch
 from run_helpers import comparable, metrics, python_path, run_train, same_up_to_fp32_sums, session_survivors, wandb_env
 
-from megatron_dapo.algorithm import group_advantages
+from megatron_dapo.algorithm.advantages import group_advantages
 from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.launch.watchdog import read_records
 from megatron_dapo.sampling.records import GroupMeta

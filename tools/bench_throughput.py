@@ -167,7 +167,7 @@ def _rollout(engine, policy, vocab: int, args, devices: int, engines: int) -> di
     policy scores what was generated (the mismatch keys are there where this rank holds the last stage).
 
     devices: ranks per engine (rollout.tp on GPU, 1 on CPU)."""
-    from megatron_dapo.algorithm import mismatch_metrics, rollout_mismatch_sums
+    from megatron_dapo.algorithm.mismatch import mismatch_metrics, rollout_mismatch_sums
     from megatron_dapo.model.policy import TrainSample
 
     g = torch.Generator().manual_seed(0)

@@ -1,16 +1,16 @@
-"""The policy-loss registry: algorithm.policy_loss (the objective) -> its implementations, resolved once at start-up.
+"""An objective's implementations (algorithm.loss_impl), resolved once at start-up.
 
-Each objective has its reference implementation (policy_loss.py's PyTorch code) and, where the fused Triton kernel
-(megatron_dapo.kernels) computes it, a fused one. All take (logp, old_logp, advantages, mask) and the keywords
-eps_low, eps_high, dual_clip_c, is_weight, loss_agg_mode, log_ratio_clamp, max_response_length, normalizer,
-ref_logp, kl_coef, kl_estimator and seq_index, and return the same PolicyLoss (shapes in policy_loss.py), for every
-aggregation.
+Each objective (registry.OBJECTIVES) has its reference implementation (policy_loss.py's PyTorch code) and, where
+its record says the fused Triton kernel (megatron_dapo.kernels) computes it, the fused one. All take (logp,
+old_logp, advantages, mask) and the keywords eps_low, eps_high, dual_clip_c, is_weight, loss_agg_mode,
+log_ratio_clamp, max_response_length, normalizer, ref_logp, kl_coef, kl_estimator and seq_index, and return the
+same PolicyLoss (shapes in policy_loss.py), for every aggregation.
 - 'dapo' fused: the kernel sums token losses: every mode but seq-mean-token-mean is that sum over its own divisor,
   and seq-mean-token-mean weighs each token by 1 / its response's valid tokens (folded into the rollout-correction
   weight the kernel already reads; the KL term gets it as a weight of its own). With `normalizer` (the
   mini-batch's global divisor) it writes the gradient in its forward pass. The reference ignores `normalizer`: the
   result is the same.
-- 'gspo', 'gspo_token', 'cispo': the reference only (the kernel's clip is per token, and GSPO's ratio needs each
+- the others ('gspo', 'gspo_token', 'cispo'): the reference only (the kernel's clip is per token, and GSPO's ratio needs each
   response's sum first).
 algorithm.loss_impl 'auto' is 'fused' where the kernel can run (CUDA, or Triton's interpreter on CPU) and the
 objective has a fused implementation, else 'reference'.
@@ -18,7 +18,6 @@ objective has a fused implementation, else 'reference'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional, Union
 
@@ -26,7 +25,8 @@ import torch
 
 from megatron_dapo.algorithm.objectives import sequence_index, sequence_sum
 from megatron_dapo.algorithm.policy_loss import PolicyLoss, loss_normalizer, policy_loss, response_tokens
-from megatron_dapo.choices import LOSS_IMPLS, POLICY_LOSSES, RESOLVED_LOSS_IMPLS
+from megatron_dapo.algorithm.registry import OBJECTIVES
+from megatron_dapo.choices import LOSS_IMPLS, RESOLVED_LOSS_IMPLS
 
 LossFn = Callable[..., PolicyLoss]
 
@@ -69,29 +69,6 @@ def _fused_dapo(
     return PolicyLoss(loss_sum=out.loss_sum, normalizer=normalizer.to(out.normalizer), stats=out.stats)
 
 
-@dataclass(frozen=True)
-class Objective:
-    """An objective's implementations: the reference always, the fused kernel where it computes this objective."""
-
-    reference: LossFn
-    fused: Optional[LossFn] = None
-
-
-OBJECTIVES: dict[str, Objective] = {}
-
-
-def register_policy_loss(name: str, reference: LossFn, fused: Optional[LossFn] = None) -> None:
-    """Make an objective available as algorithm.policy_loss=name (its allowed values live in choices.py)."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r}: add it to megatron_dapo.choices.POLICY_LOSSES first")
-    OBJECTIVES[name] = Objective(reference, fused)
-
-
-register_policy_loss("dapo", partial(_reference, objective="dapo"), _fused_dapo)
-for _name in ("gspo", "gspo_token", "cispo"):
-    register_policy_loss(_name, partial(_reference, objective=_name))
-
-
 def resolve_loss_impl(impl: str, fused_runs_here: bool, objective: str = "dapo") -> str:
     """algorithm.loss_impl -> 'reference' or 'fused' for this run and objective. fused_runs_here: the kernel can run
     on this device (megatron_dapo.kernels.fused_runs_on). Raises ValueError naming the field for an unknown name or
@@ -100,7 +77,7 @@ def resolve_loss_impl(impl: str, fused_runs_here: bool, objective: str = "dapo")
         raise ValueError(f"algorithm.loss_impl={impl!r}: expected one of {LOSS_IMPLS}")
     if objective not in OBJECTIVES:
         raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")
-    has_fused = OBJECTIVES[objective].fused is not None
+    has_fused = OBJECTIVES[objective].fused
     if impl == "reference":
         return "reference"
     if impl == "fused" and not has_fused:
@@ -119,7 +96,8 @@ def policy_loss_fn(name: str, objective: str = "dapo") -> LossFn:
         raise ValueError(f"policy loss implementation {name!r}: expected 'reference' or 'fused' (resolve 'auto' first)")
     if objective not in OBJECTIVES:
         raise ValueError(f"algorithm.policy_loss={objective!r}: expected one of {sorted(OBJECTIVES)}")
-    fn = getattr(OBJECTIVES[objective], name)
-    if fn is None:
+    if name == "reference":
+        return partial(_reference, objective=objective)
+    if not OBJECTIVES[objective].fused:
         raise ValueError(f"policy_loss={objective!r} has no {name} implementation")
-    return fn
+    return _fused_dapo  # the kernel's clip is DAPO's: the only objective whose record says fused

@@ -1,6 +1,7 @@
 """The policy loss of a micro-batch: an objective's token losses (objectives.py), masked, weighted and aggregated.
 
-Per valid token, with the objective's loss l_t (dapo, gspo, gspo_token or cispo: objectives.py has each formula):
+Per valid token, with the objective's loss l_t (its registered token loss, registry.OBJECTIVES: objectives.py
+has the built-in ones' formulas):
 
     l_t = w_t * l_t               with rollout-correction weights w (rollout_correction.py), not differentiated
     l_t = l_t + beta * k_t        with a KL term to a reference policy (kl.py's estimator k, no IS weight)
@@ -17,8 +18,9 @@ from typing import Optional
 import torch
 
 from megatron_dapo.algorithm.kl import k3, kl_estimate
-from megatron_dapo.algorithm.objectives import cispo_loss, dapo_loss, gspo_loss, sequence_index, sequence_sum
-from megatron_dapo.choices import LOSS_AGG_MODES, POLICY_LOSSES
+from megatron_dapo.algorithm.objectives import sequence_index, sequence_sum
+from megatron_dapo.algorithm.registry import OBJECTIVES, TokenLossInput
+from megatron_dapo.choices import LOSS_AGG_MODES
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.loss_result import (  # the result both implementations return (the fused one too)
     STAT_KEYS,
@@ -83,9 +85,10 @@ def policy_loss(
     old_logp:   [B, T] logprobs of the policy that sampled (recomputed by the trainer)
     advantages: [B] per row or [B, T] per token
     mask:       [B, T] bool/0-1, True on valid response tokens
-    objective:  algorithm.policy_loss; eps_low / eps_high are its bounds (AlgorithmConfig.clip_bounds): DAPO's
-                eps_low / eps_high, GSPO's gspo_eps_low / gspo_eps_high, CISPO's eps_low_is (None: no lower
-                bound) / eps_high_is; dual_clip_c is DAPO's alone
+    objective:  algorithm.policy_loss, a name in registry.OBJECTIVES; eps_low / eps_high are its bounds
+                (AlgorithmConfig.clip_bounds: the config keys its record names, e.g. GSPO's gspo_eps_low /
+                gspo_eps_high; eps_low None only where the record allows it, CISPO's); dual_clip_c is read by the
+                objectives it applies to (the record's dual_clip: DAPO's)
     is_weight:  [B, T] optional rollout-correction weights (rollout_correction.py), not differentiated
     max_response_length: seq-mean-token-sum-norm's constant (rollout.max_response_length)
     ref_logp:   [B, T] optional reference-policy logprobs: adds kl_coef x kl_estimate(logp, ref_logp, kl_estimator)
@@ -95,8 +98,9 @@ def policy_loss(
                 over responses, and Dr. GRPO's divisor counts them.
     The mini-batch loss is sum(loss_sum) / sum(normalizer) over its micro-batches and ranks.
     """
-    if objective not in POLICY_LOSSES:
-        raise ValueError(f"policy_loss: objective={objective!r}, expected one of {POLICY_LOSSES}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"policy_loss: objective={objective!r}, expected one of {tuple(OBJECTIVES)}")
+    spec = OBJECTIVES[objective]
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"policy_loss: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
     if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
@@ -116,14 +120,12 @@ def policy_loss(
     advantages = torch.where(mask, advantages.float(), zero)
     log_ratio = (logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp)  # exp() stays finite; no gradient beyond
 
-    if eps_low is None and objective != "cispo":
-        raise ValueError(f"policy_loss: objective={objective!r} needs eps_low (only cispo's may be None)")
-    if objective == "dapo":
-        loss, flags = dapo_loss(log_ratio, advantages, eps_low, eps_high, dual_clip_c)
-    elif objective == "cispo":
-        loss, flags = cispo_loss(logp, log_ratio, advantages, eps_low, eps_high)
-    else:
-        loss, flags = gspo_loss(log_ratio, advantages, mask, seq, eps_low, eps_high, objective == "gspo_token")
+    if eps_low is None and not spec.low_optional:
+        optional = " and ".join(f"{name}'s" for name, o in OBJECTIVES.items() if o.low_optional)
+        raise ValueError(f"policy_loss: objective={objective!r} needs eps_low (only {optional} may be None)")
+    loss, flags = spec.token_loss(
+        TokenLossInput(logp, log_ratio, advantages, mask, seq, eps_low, eps_high, dual_clip_c)
+    )
     clip_dual = flags.get("clip_dual", torch.zeros_like(mask))
     if is_weight is not None:
         loss = loss * torch.where(mask, is_weight.detach().float(), zero)

@@ -15,21 +15,65 @@ multiplies its loss (no gradient flows through it):
 
 A masked token (weight 0) stays in the loss's divisor in every mode, as in IcePop's 1 / sum |y_i|: the divisor is
 fixed from the responses before the step, so a correction never changes how much the kept tokens weigh.
+Each mode registers itself (registry.correction) with the config keys of its bounds; torch is imported inside the
+functions so that the config reads the registry without it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Optional
 
-from megatron_dapo.algorithm.kl import k3
-from megatron_dapo.choices import ROLLOUT_CORRECTIONS
-from megatron_dapo.config import Correction  # a mode and its bounds, as the config gives them
+from megatron_dapo.algorithm.registry import CORRECTIONS, Correction, correction
 
-SEQUENCE_MODES = ("seq_tis", "seq_mask")
-NO_CORRECTION = Correction()
+if TYPE_CHECKING:
+    import torch
 
 
-def _log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, log_ratio_clamp: float) -> torch.Tensor:
+@correction("token_tis", high="tis_cap")
+def _truncated_is(w: torch.Tensor, low: Optional[float], high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(w, high): truncated IS, one-sided (small weights stay as they are). w: [R] float64, each mode's input."""
+    weight, corrected = w.clamp(max=high), w > high
+    return weight, corrected
+
+
+correction("seq_tis", high="tis_cap", per_sequence=True)(_truncated_is)  # the same, of the response's W
+
+
+@correction("token_mask", low="rollout_mask_low", high="rollout_mask_high")
+def _mask(w: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 where w is kept, else 0: the token or response rejected, the kept ones not reweighted."""
+    import torch
+
+    kept = _kept(w, low, high)
+    return torch.where(kept, torch.ones_like(w), torch.zeros_like(w)), ~kept
+
+
+correction("seq_mask", low="rollout_mask_low", high="rollout_mask_high", per_sequence=True)(_mask)  # of W
+
+
+@correction("icepop", low="icepop_low", high="icepop_high")
+def _icepop(w: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w where w is kept, else 0: IcePop's kept tokens IS-weighted."""
+    import torch
+
+    kept = _kept(w, low, high)
+    return torch.where(kept, w, torch.zeros_like(w)), ~kept
+
+
+@correction("none")
+def _no_correction(w: torch.Tensor, low: None, high: None) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 on every token."""
+    import torch
+
+    return torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+
+
+def _kept(w: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """[R] bool: low <= w <= high, bounds inclusive (IcePop's and verl's)."""
+    return (w >= low) & (w <= high)
+
+
+def rollout_log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, log_ratio_clamp: float) -> torch.Tensor:
     """[R] float64: log w = old_logp - rollout_logp per token, clamped so that exp() stays finite."""
     return (old_logp.detach().double() - rollout_logp.detach().double()).clamp(-log_ratio_clamp, log_ratio_clamp)
 
@@ -42,71 +86,21 @@ def correction_weight(
     old_logp, rollout_logp: [R] the response's logprobs under the trainer (recomputed) and the engine (sampled).
     Returns (weight [R] float32, corrected [R] bool), both detached.
     """
+    import torch
+
     mode, low, high = correction
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"rollout correction {mode!r}: expected one of {ROLLOUT_CORRECTIONS}")
+    if mode not in CORRECTIONS:
+        raise ValueError(f"rollout correction {mode!r}: expected one of {tuple(CORRECTIONS)}")
     if old_logp.shape != rollout_logp.shape or old_logp.dim() != 1:
         raise ValueError(
             f"correction_weight: old_logp {tuple(old_logp.shape)} and rollout_logp {tuple(rollout_logp.shape)} "
             "must be the same [R]"
         )
-    if mode != "none" and (high is None or high <= 0 or (mode not in ("token_tis", "seq_tis") and low is None)):
+    spec = CORRECTIONS[mode]
+    if (spec.high is not None and (high is None or high <= 0)) or (spec.low is not None and low is None):
         raise ValueError(f"rollout correction {mode!r}: bounds low={low}, high={high} (need high > 0, and low)")
-    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
-    if mode in SEQUENCE_MODES:  # the geometric mean, on every token of the response (1 for an empty response)
+    log_w = rollout_log_ratio(old_logp, rollout_logp, log_ratio_clamp)
+    if spec.per_sequence:  # the geometric mean, on every token of the response (1 for an empty response)
         log_w = log_w.mean().expand(log_w.shape) if log_w.numel() else log_w
-    w = torch.exp(log_w)
-    if mode == "none":
-        weight, corrected = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
-    elif mode in ("token_tis", "seq_tis"):
-        weight, corrected = w.clamp(max=high), w > high
-    else:
-        kept = (w >= low) & (w <= high)
-        weight = torch.where(kept, w if mode == "icepop" else torch.ones_like(w), torch.zeros_like(w))
-        corrected = ~kept
+    weight, corrected = spec.weight(torch.exp(log_w), low, high)
     return weight.float(), corrected
-
-
-MISMATCH_KEYS = ("abs_sum", "kl_sum", "corrected", "tokens", "corrected_seqs", "seqs")
-
-
-def rollout_mismatch_sums(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    correction: Correction = NO_CORRECTION,
-    log_ratio_clamp: float = 20.0,
-) -> torch.Tensor:
-    """How far the rollout engine's policy is from the training policy, over one response's tokens.
-
-    old_logp, rollout_logp: [N] the response's logprobs under the training policy (recomputed) and the engine (as
-    sampled). With w = exp(old_logp - rollout_logp) per token, returns [6] float64 sums (MISMATCH_KEYS): sum
-    |old_logp - rollout_logp|; sum (w - 1) - log w, the k3 estimate of KL(pi_rollout || pi_train) (>= 0 per token,
-    unbiased under the rollout's samples); the tokens the correction capped or masked; N; 1 if it capped or
-    masked any token of the response; 1 (the response). Sums, so ranks, micro-batches and responses add them.
-    """
-    _, corrected = correction_weight(old_logp, rollout_logp, correction, log_ratio_clamp)
-    log_w = _log_ratio(old_logp, rollout_logp, log_ratio_clamp)
-    return torch.tensor(
-        [
-            float(log_w.abs().sum()),
-            float(k3(log_w).sum()),
-            float(corrected.sum()),
-            float(log_w.numel()),
-            float(corrected.any()),
-            1.0,
-        ],
-        dtype=torch.float64,
-    )
-
-
-def mismatch_metrics(sums: torch.Tensor, correction: Correction = NO_CORRECTION) -> dict[str, float]:
-    """Means for the logs from rollout_mismatch_sums' [6] totals (zero when no token had both logprobs):
-    rollout/logp_mismatch_mean and rollout/kl per token; with a correction on, rollout/corrected_frac (the tokens
-    capped or masked) and, for a sequence mode, rollout/corrected_seq_frac (the responses)."""
-    abs_sum, kl_sum, corrected, tokens, corrected_seqs, seqs = (float(x) for x in sums)
-    out = {"rollout/logp_mismatch_mean": abs_sum / max(tokens, 1.0), "rollout/kl": kl_sum / max(tokens, 1.0)}
-    if correction.mode != "none":
-        out["rollout/corrected_frac"] = corrected / max(tokens, 1.0)
-    if correction.mode in SEQUENCE_MODES:
-        out["rollout/corrected_seq_frac"] = corrected_seqs / max(seqs, 1.0)
-    return out

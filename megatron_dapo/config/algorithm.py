@@ -4,29 +4,13 @@ shaping and KL term."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
-from megatron_dapo.choices import (
-    ADV_NORMS,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    LOSS_IMPLS,
-    OVERLONG_SHAPES,
-    POLICY_LOSSES,
-    ROLLOUT_CORRECTIONS,
-)
+from megatron_dapo.algorithm.registry import CORRECTIONS, OBJECTIVES, Correction  # torch-free
+from megatron_dapo.choices import ADV_NORMS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_IMPLS, OVERLONG_SHAPES
 from megatron_dapo.config.base import check
 
-
-class Correction(NamedTuple):
-    """The rollout correction in force and its bounds (Config.rollout_correction(); algorithm/rollout_correction.py
-    applies it)."""
-
-    mode: str = "none"
-    low: Optional[float] = None
-    """token_mask, seq_mask, icepop: the lowest kept ratio (inclusive)."""
-    high: Optional[float] = None
-    """token_tis, seq_tis: the cap; token_mask, seq_mask, icepop: the highest kept ratio (inclusive)."""
+__all__ = ["AlgorithmConfig", "Correction"]
 
 
 @dataclass
@@ -136,12 +120,9 @@ class AlgorithmConfig:
     old-logprob phase (saves its share of the weights per GPU: docs/training.md#kl-to-a-reference-policy)."""
 
     def clip_bounds(self) -> tuple[Optional[float], float]:
-        """(eps_low, eps_high) of the objective in force: DAPO's, GSPO's or CISPO's keys."""
-        if self.policy_loss.startswith("gspo"):
-            return self.gspo_eps_low, self.gspo_eps_high
-        if self.policy_loss == "cispo":
-            return self.eps_low_is, self.eps_high_is
-        return self.eps_low, self.eps_high
+        """(eps_low, eps_high) of the objective in force, read from its keys (DAPO's, GSPO's or CISPO's)."""
+        objective = OBJECTIVES[self.policy_loss]
+        return getattr(self, objective.low), getattr(self, objective.high)
 
     def validate(self) -> None:
         """Raise ConfigError for a value of this section that cannot run."""
@@ -158,7 +139,8 @@ class AlgorithmConfig:
             "a value in [0, 1): the ratio is clipped below at 1 - eps_low",
         )
         check(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, "a value >= 0")
-        check(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES}")
+        check(self.policy_loss in OBJECTIVES, "algorithm.policy_loss", self.policy_loss, f"one of {tuple(OBJECTIVES)}")
+        objective = OBJECTIVES[self.policy_loss]
         check(0 <= self.gspo_eps_low < 1, "algorithm.gspo_eps_low", self.gspo_eps_low, "a value in [0, 1)")
         check(self.gspo_eps_high >= 0, "algorithm.gspo_eps_high", self.gspo_eps_high, "a value >= 0")
         if self.eps_low_is is not None:
@@ -166,15 +148,15 @@ class AlgorithmConfig:
         check(self.eps_high_is >= 0, "algorithm.eps_high_is", self.eps_high_is, "a value >= 0")
         if self.rollout_correction is not None:
             check(
-                self.rollout_correction in ROLLOUT_CORRECTIONS,
+                self.rollout_correction in CORRECTIONS,
                 "algorithm.rollout_correction",
                 self.rollout_correction,
-                f"one of {ROLLOUT_CORRECTIONS}, or null",
+                f"one of {tuple(CORRECTIONS)}, or null",
             )
-        for bounds in ("rollout_mask", "icepop"):
-            lo, hi = getattr(self, f"{bounds}_low"), getattr(self, f"{bounds}_high")
-            check(0 <= lo, f"algorithm.{bounds}_low", lo, "a ratio >= 0")
-            check(hi > lo, f"algorithm.{bounds}_high", hi, f"a ratio above algorithm.{bounds}_low={lo}")
+        for low, high in dict.fromkeys((c.low, c.high) for c in CORRECTIONS.values() if c.low is not None):
+            lo, hi = getattr(self, low), getattr(self, high)
+            check(0 <= lo, f"algorithm.{low}", lo, "a ratio >= 0")
+            check(hi > lo, f"algorithm.{high}", hi, f"a ratio above algorithm.{low}={lo}")
         if self.dual_clip_c is not None:
             check(
                 self.dual_clip_c > 1,
@@ -192,15 +174,16 @@ class AlgorithmConfig:
         )
         check(self.loss_impl in LOSS_IMPLS, "algorithm.loss_impl", self.loss_impl, f"one of {LOSS_IMPLS}")
         if self.loss_impl == "fused":
+            fused = " and ".join(f"{name}'s" for name, o in OBJECTIVES.items() if o.fused)
             check(
-                self.policy_loss == "dapo",
+                objective.fused,
                 "algorithm.loss_impl",
                 self.loss_impl,
-                f"'auto' or 'reference' with policy_loss={self.policy_loss!r} (the fused kernel computes dapo's)",
+                f"'auto' or 'reference' with policy_loss={self.policy_loss!r} (the fused kernel computes {fused})",
             )
         if self.dual_clip_c is not None:
             check(
-                self.policy_loss == "dapo",
+                objective.dual_clip,
                 "algorithm.dual_clip_c",
                 self.dual_clip_c,
                 f"null with policy_loss={self.policy_loss!r} (dual clip caps DAPO's token loss)",

@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_dapo.config.algorithm import AlgorithmConfig, Correction
+from megatron_dapo.algorithm.registry import CORRECTIONS, OBJECTIVES, Correction  # torch-free
+from megatron_dapo.config.algorithm import AlgorithmConfig
 from megatron_dapo.config.base import check
 from megatron_dapo.config.data import DataConfig
 from megatron_dapo.config.eval import EvalConfig
@@ -65,13 +66,12 @@ class Config:
         with its bounds."""
         a, cap = self.algorithm, self.tis_cap()
         mode = a.rollout_correction or ("token_tis" if cap is not None else "none")
-        if mode.endswith("_tis"):
-            return Correction(mode, None, cap)
-        if mode.endswith("_mask"):
-            return Correction(mode, a.rollout_mask_low, a.rollout_mask_high)
-        if mode == "icepop":
-            return Correction(mode, a.icepop_low, a.icepop_high)
-        return Correction()
+        spec = CORRECTIONS[mode]
+
+        def bound(key: Optional[str]) -> Optional[float]:  # tis_cap: the cap in force, FP8 rollouts' too
+            return None if key is None else cap if key == "tis_cap" else getattr(a, key)
+
+        return Correction(mode, bound(spec.low), bound(spec.high))
 
     def lockstep(self) -> bool:
         """sampler.lockstep in force: as set, else off only in async at max_staleness >= 1."""
@@ -118,7 +118,7 @@ class Config:
             f"at least algorithm.group_size={a.group_size} (an engine takes whole groups)",
         )
         correction = self.rollout_correction().mode
-        if correction.endswith("_tis"):
+        if CORRECTIONS[correction].high == "tis_cap":
             check(
                 self.tis_cap() is not None,
                 "algorithm.tis_cap",
@@ -139,7 +139,7 @@ class Config:
                 )
         if self.parallel.cp > 1:
             per_response = [f"loss_agg_mode={a.loss_agg_mode}"] if a.loss_agg_mode == "seq-mean-token-mean" else []
-            per_response += [f"policy_loss={a.policy_loss}"] if a.policy_loss.startswith("gspo") else []
+            per_response += [f"policy_loss={a.policy_loss}"] if OBJECTIVES[a.policy_loss].whole_responses else []
             check(
                 not per_response,
                 "parallel.cp",

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import progress
-from megatron_dapo.algorithm import correction_weight, loss_metrics, loss_normalizer, reduce_stats
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
+from megatron_dapo.algorithm.policy_loss import loss_metrics, loss_normalizer, reduce_stats
+from megatron_dapo.algorithm.rollout_correction import correction_weight
 from megatron_dapo.config import Config
 from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider

@@ -43,7 +43,7 @@ def equality_check(
 ) -> bool:
     """Kernel vs reference at a small size: loss, stats, both gradient paths. Prints one line each, with the seed of
     the random inputs (fresh unless given) so that a mismatch can be replayed."""
-    from megatron_dapo.algorithm import STAT_KEYS, policy_loss
+    from megatron_dapo.algorithm.policy_loss import STAT_KEYS, policy_loss
     from megatron_dapo.kernels import fused_policy_loss
 
     seed = int.from_bytes(os.urandom(4), "little") >> 1 if seed is None else seed
@@ -158,7 +158,7 @@ def bench_size(n: int, args, copy_gbs: float, dtype: torch.dtype) -> list[dict]:
     args: tools/bench_kernel.py's flags (seq_len, per_token_adv, is_weight, valid, dual_clip, warmup, iters,
     no_compile); copy_gbs: the device's copy bandwidth, GB/s, the denominator of frac_copy_bw. Needs CUDA.
     """
-    from megatron_dapo.algorithm import policy_loss
+    from megatron_dapo.algorithm.policy_loss import policy_loss
     from megatron_dapo.kernels import fused_policy_loss
     from megatron_dapo.kernels import ratio_clip_reduce as rcr
 

@@ -76,7 +76,7 @@ def replay_mismatch(policy, responses: list[tuple[list, Any]]) -> tuple[dict[str
     replayed logprobs as old_logp)."""
     import torch
 
-    from megatron_dapo.algorithm import mismatch_metrics, rollout_mismatch_sums
+    from megatron_dapo.algorithm.mismatch import mismatch_metrics, rollout_mismatch_sums
     from megatron_dapo.model.policy import TrainSample
 
     samples = [TrainSample(prompt_ids=p, response_ids=r.token_ids) for p, r in responses]

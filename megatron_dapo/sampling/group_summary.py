@@ -8,7 +8,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_dapo.algorithm import excess_overlong_penalty, informative_groups, soft_overlong_punishment
+from megatron_dapo.algorithm.filters import informative_groups
+from megatron_dapo.algorithm.overlong import excess_overlong_penalty, soft_overlong_punishment
 from megatron_dapo.config import AlgorithmConfig, ConfigError
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.types import Group, Response
