@@ -41,7 +41,7 @@ def tiny_hf_model(
         Qwen3MoeForCausalLM,
     )
 
-    from megatron_dapo.model.tiny import moe_init
+    from megatron_dapo.model.tiny import moe_init, random_model
 
     common = dict(
         vocab_size=vocab_size,
@@ -54,27 +54,29 @@ def tiny_hf_model(
         tie_word_embeddings=tied,
         rms_norm_eps=rms_norm_eps,
     )
-    with torch.random.fork_rng(devices=[]):  # transformers initialises from the global generator: leave it as it was
-        torch.manual_seed(seed)
-        if family == "qwen2":
-            model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
-        elif family == "qwen3":
-            model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1e6, head_dim=32, **common))
-        elif family == "qwen3_moe":
-            moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=norm_topk_prob)
-            config = Qwen3MoeConfig(rope_theta=1e6, head_dim=32, mlp_only_layers=[1], **moe, **common)
-            config._experts_implementation = "eager"  # a loop over experts: grouped_mm takes no float64
-            model = Qwen3MoeForCausalLM(config)
+    if family == "qwen2":
+        model_cls, config = Qwen2ForCausalLM, Qwen2Config(rope_theta=1e6, **common)
+    elif family == "qwen3":
+        model_cls, config = Qwen3ForCausalLM, Qwen3Config(rope_theta=1e6, head_dim=32, **common)
+    elif family == "qwen3_moe":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=norm_topk_prob)
+        config = Qwen3MoeConfig(rope_theta=1e6, head_dim=32, mlp_only_layers=[1], **moe, **common)
+        config._experts_implementation = "eager"  # a loop over experts: grouped_mm takes no float64
+        model_cls = Qwen3MoeForCausalLM
+    else:
+        model_cls, config = LlamaForCausalLM, LlamaConfig(rope_theta=5e5, **common)
+
+    def after_init(model) -> None:
+        if family == "qwen3_moe":
             moe_init(model)
-        else:
-            model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, **common))
         # transformers initialises norms to 1 and biases to 0: perturb so both matter (and Qwen3's q_norm and k_norm
         # differ, so a swap of the two shows)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
                     p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+
+    return random_model(model_cls, config, seed, after_init)
 
 
 def save_case(model, batch: list[dict], out: Path) -> Path:

@@ -238,9 +238,9 @@ def fp8_friendly_qwen2(seed: int):
         rope_theta=1e6,
         rms_norm_eps=1e-6,
     )
-    with torch.random.fork_rng():  # transformers initialises weights from torch's global generator
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).eval()
+    from megatron_dapo.model.tiny import random_model
+
+    return random_model(Qwen2ForCausalLM, config, seed)
 
 
 @pytest.mark.slow

@@ -121,6 +121,18 @@ def spread_qk_norms(model) -> None:
                 p.add_(torch.randn_like(p) * QK_NORM_STD)
 
 
+def random_model(model_cls, config, seed: int, after_init=None):
+    """model_cls(config) in float32 and eval mode, initialised from `seed`, then after_init(model) (drawing from the
+    same generator): the one way the tiny models here, in the preflight and in the tests are drawn. The caller's
+    global generator is left as it was."""
+    with torch.random.fork_rng(devices=[]):  # transformers initialises from the global generator
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
+        if after_init is not None:
+            after_init(model)
+    return model
+
+
 def _build(config_cls, model_cls, fields: dict, out_dir, seed: int, vocab_size: int, corpus, after_init=None) -> Path:
     """The tokenizer, then the model from config_cls(**fields) on it, initialised from `seed`, then after_init(model)."""
     from megatron_dapo.model.tokenizer import train_byte_bpe_tokenizer
@@ -135,10 +147,5 @@ def _build(config_cls, model_cls, fields: dict, out_dir, seed: int, vocab_size: 
         torch_dtype="float32",
         **fields,
     )
-    with torch.random.fork_rng():  # seeded here without reseeding the caller's global generator
-        torch.manual_seed(seed)
-        model = model_cls(config).to(torch.float32).eval()
-        if after_init is not None:
-            after_init(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    random_model(model_cls, config, seed, after_init).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
