@@ -258,6 +258,15 @@ def check_present(manifest: dict) -> list[str]:
     return notes
 
 
+def pip_install(paths: list[Path], target: Path, present: dict, *extra: str) -> int:
+    """GPU node: note what this node's own packages miss of `present` ({name: [what wants it]}: noted, not installed),
+    then pip install the wheels (and extra, e.g. this repository) into target; pip's exit status."""
+    for note in check_present({"present": present}):
+        print(f"note: {note}")
+    cmd = [sys.executable, "-m", "pip", *pip_target_args(target), "--no-build-isolation", "-q"]
+    return subprocess.run([*cmd, *map(str, paths), *extra]).returncode
+
+
 def cmd_install(args) -> int:
     t0 = time.perf_counter()
     stage = args.out
@@ -268,16 +277,13 @@ def cmd_install(args) -> int:
         print(f"missing pieces {', '.join(missing)}: send them again (receive), then install")
         return 2
     paths = reassemble(manifest, lambda c: recv / c["file"], stage / "wheels_rx")
-    for note in check_present(manifest):
-        print(f"note: {note}")
-    cmd = [sys.executable, "-m", "pip", *pip_target_args(args.target), "--no-build-isolation", "-q"]
-    proc = subprocess.run([*cmd, *map(str, paths), str(REPO)])
+    rc = pip_install(paths, args.target, manifest["present"], str(REPO))
     print(
         f"installed {len(paths)} wheels and megatron-dapo into {args.target} in {time.perf_counter() - t0:.0f} s"
-        if proc.returncode == 0
+        if rc == 0
         else "pip install failed"
     )
-    return proc.returncode
+    return rc
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -48,7 +48,7 @@ from unittest import mock
 from megatron_dapo.cli import argument_parser
 
 from .pieces import MIB, PIECE_MIB, check_all, check_layout, load_manifest, write_checksum_lists, write_pieces
-from .staging import check_present, pip_dry_run, pip_target_args
+from .staging import pip_dry_run, pip_install
 from .wheels import REPO
 
 STAGE = REPO / "te_stage"
@@ -302,13 +302,11 @@ def cmd_install(args) -> int:
         if problems:
             print("\n".join(problems))
             return 1
-        # what TE needs of this node's own packages (torch, einops, onnx...): noted, not installed
-        for note in check_present({"present": manifest.get("present", {})}):
-            print(f"note: {note}")
         paths = sorted(Path(tmp).glob("*.whl"))
-        proc = subprocess.run([sys.executable, "-m", "pip", *pip_target_args(args.target), "-q", *map(str, paths)])
-    print(f"installed {len(paths)} wheels into {args.target}" if proc.returncode == 0 else "pip install failed")
-    return proc.returncode
+        # what TE needs of this node's own packages (torch, einops, onnx...): noted, not installed
+        rc = pip_install(paths, args.target, manifest.get("present", {}))
+    print(f"installed {len(paths)} wheels into {args.target}" if rc == 0 else "pip install failed")
+    return rc
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
