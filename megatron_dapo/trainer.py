@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import progress
+from megatron_dapo import gc_tuning, progress
 from megatron_dapo.algorithm.advantages import group_advantages
 from megatron_dapo.algorithm.kl import kl_estimate, kl_penalized_rewards
 from megatron_dapo.algorithm.mismatch import MISMATCH_KEYS, mismatch_metrics, rollout_mismatch_sums
@@ -141,6 +141,7 @@ class Trainer:
         except BaseException:  # a bad checkpoint or a signal at start-up: stop what already started, then raise
             self.close()
             raise
+        gc_tuning.start_up_done()
 
     def _build(self, cfg: Config) -> None:
         from transformers import AutoTokenizer

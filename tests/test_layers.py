@@ -18,7 +18,7 @@ LAYERS = (
     # records of objectives and rollout corrections with the modules that fill them, whose names the config allows
     (
         "base",
-        {"choices", "cli", "config", "types", "timing", "loss_result", "progress", "safe_pickle"}
+        {"choices", "cli", "config", "types", "timing", "loss_result", "progress", "safe_pickle", "gc_tuning"}
         | {"algorithm.registry", "algorithm.objectives", "algorithm.rollout_correction"},
     ),
     ("kernels", {"kernels"}),  # the fused Triton loss: below algorithm/, whose loss registry picks it

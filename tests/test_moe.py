@@ -99,9 +99,10 @@ def megatron_jobs(root: Path) -> dict[str, Job]:
         "ep2-r3": train(2, budget(4), "parallel.ep=2", "parallel.use_distributed_optimizer=false", R3),
         "pp2-r3": train(2, budget(4), "parallel.pp=2", R3),
         # with R2: the routes recorded under sequence parallel (each TP rank routes its share of the positions) are
-        # gathered, then sliced again for the replayed step
+        # gathered, then sliced again for the replayed step; the experts split over the same two ranks (Megatron's
+        # MoE parallel folding: EP inside TP, etp 1)
         "tp2-ep2": train(
-            4,
+            2,
             budget(8),
             "parallel.tp=2",
             "parallel.ep=2",
@@ -252,9 +253,10 @@ def test_replay_under_expert_and_pipeline_parallel(ran, name):
 
 @pytest.mark.slow
 def test_tensor_times_expert_parallel_equals_one_process(model, batch, arch, ran):
-    """TP 2 x EP 2 on 4 processes (the dense layers split over TP with sequence parallel, the experts whole on their
-    EP rank, their data-parallel group of 2), replaying the routes its old-logprob pass recorded (R2): the one-process
-    step, every replayed pair the router's own."""
+    """TP 2 x EP 2 folded onto 2 processes (the dense layers split over TP with sequence parallel, the experts split
+    over the same two ranks, each whole on its EP rank: Megatron's MoE parallel folding, as the 30B-A3B recipes run),
+    replaying the routes its old-logprob pass recorded (R2): the one-process step, every replayed pair the router's
+    own."""
     got = result(ran, "tp2-ep2")
     assert got["metrics"]["moe/router_agreement"] == 1.0
     assert_same(result(ran, "ref"), got, "tp2 x ep2")

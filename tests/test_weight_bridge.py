@@ -19,7 +19,7 @@ LAYOUTS = {  # name: (family, tied, nproc, overrides)
     "qwen3-tp2": ("qwen3", False, 2, ["parallel.tp=2"]),  # q_norm / k_norm: replicated, each under its own name
     "moe": ("qwen3_moe", False, 1, []),  # the router and every expert under the checkpoint's per-expert names
     "moe-ep2": ("qwen3_moe", False, 2, ["parallel.ep=2"]),  # each rank holds 4 of a layer's 8 experts
-    "moe-pp2-ep2": ("qwen3_moe", False, 4, ["parallel.pp=2", "parallel.ep=2"]),  # experts over EP, then the stages
+    "moe-pp2": ("qwen3_moe", False, 2, ["parallel.pp=2"]),  # each stage's dense and MoE layers, numbered from its first
 }
 LAYERS = {"qwen3_moe": 4}  # a dense layer among the MoE ones, two per stage at PP 2
 
