@@ -16,8 +16,10 @@ import torch.distributed as dist
 from run_helpers import RunsCode
 from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
+from megatron_dapo.model.comm import Comm
+from megatron_dapo.model.parallel import init_plain_world
 from megatron_dapo.reward import RewardPool
-from megatron_dapo.sampling.exchange import Comm, deliver, gather_metas, gather_stopped
+from megatron_dapo.sampling.exchange import deliver, gather_metas, gather_stopped
 from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
@@ -150,7 +152,7 @@ def crafted(comm: Comm, out_dir: str) -> dict:
 
     import torch
 
-    from megatron_dapo.model.collectives import broadcast_bytes
+    from megatron_dapo.model.comm import broadcast_bytes
     from megatron_dapo.safe_pickle import RefusedPickle
 
     gathered = comm.gather_objects([meta(comm.rank)], dst=0)
@@ -167,13 +169,12 @@ def crafted(comm: Comm, out_dir: str) -> dict:
 
 
 def main(out_dir: str) -> None:
-    dist.init_process_group("gloo")
-    comm = Comm(dist.get_rank(), dist.get_world_size())
+    comm = Comm(init_plain_world())
     result = {case.__name__: case(comm) for case in (exchange, agreement, free_steps)}
     result["crafted"] = crafted(comm, out_dir)
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
 
 

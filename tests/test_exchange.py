@@ -12,7 +12,8 @@ import pytest
 import torch
 from exchange_worker import G, meta, response
 
-from megatron_dapo.sampling.exchange import Comm, meta_width, metas_to_rows, rows_to_metas
+from megatron_dapo.model.comm import Comm
+from megatron_dapo.sampling.exchange import meta_width, metas_to_rows, rows_to_metas
 
 HERE = Path(__file__).parent
 
