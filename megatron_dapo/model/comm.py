@@ -34,7 +34,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _IDENTITY = {"sum": 0.0, "max": float("-inf")}
 
 
-def group_device(group: Any = None) -> torch.device:
+def _group_device(group: Any = None) -> torch.device:
     """Where a group's tensors live: this process's CUDA device for NCCL, else the CPU (gloo; a world of both
     backends carries CPU tensors over gloo)."""
     if dist.get_backend(group) == "nccl":
@@ -60,13 +60,13 @@ class Comm:
     """The collectives of one process, over the groups of its Layout (None: a lone process).
 
     Tensor collectives act on the caller's tensors where they are; the collectives of plain numbers and of objects
-    put theirs on the group's device (group_device). `src` and `dst` are ranks within the named group.
+    put theirs on the group's device (_group_device). `src` and `dst` are ranks within the named group.
     """
 
     def __init__(self, layout: Optional[Layout] = None) -> None:
         self.layout = layout or world_layout()
         self.rank, self.world = self.layout.rank, self.layout.world_size
-        self.device = group_device() if self.world > 1 else torch.device("cpu")
+        self.device = _group_device() if self.world > 1 else torch.device("cpu")
         """The world's device: where the number and row collectives over it, and deliver's payloads, live."""
         self.bytes_gathered = 0
         """Bytes this rank received through all_gather_rows so far (the group summaries' traffic)."""
@@ -132,10 +132,10 @@ class Comm:
         return t
 
     def count_once(self, t: torch.Tensor, copies: Sequence[str], op: str = "sum") -> torch.Tensor:
-        """t: [...] float -> a new tensor, its sum (or max) over the world with each value counted once (module
-        docstring). copies: the groups whose ranks hold copies of this rank's values, of 'tp', 'cp', 'pp' ('pp': the
-        last stage holds them); of each set of copies the rank that is the last stage and its tp and cp groups'
-        first counts."""
+        """t: [...] float -> a new tensor: its sum (or max) over the world, each value counted once (the module's
+        rule). copies: the groups, of 'tp', 'cp' and 'pp', whose ranks hold copies of this rank's values ('pp': the
+        last stage holds them, the other stages anything); of each set of copies the one that is first in its tp and
+        cp groups and on the last stage counts."""
         layout = self.layout
         first = {"tp": layout.tp_rank == 0, "cp": layout.cp_rank == 0, "pp": layout.pp_rank == layout.pp - 1}
         counts = all(first[d] for d in copies)
@@ -166,7 +166,7 @@ class Comm:
     def _reduce(self, values: Sequence[float], over: str, op: str, what: str) -> list[float]:
         if self.size(over) == 1:
             return [float(x) for x in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=group_device(self._group(over)))
+        t = torch.tensor(list(values), dtype=torch.float64, device=_group_device(self._group(over)))
         with self._waiting(over, what):
             dist.all_reduce(t, op=_OPS[op], group=self._group(over))
         return t.cpu().tolist()
@@ -208,7 +208,7 @@ class Comm:
         data = safe_pickle.dumps(obj) if is_src else None
         with self._waiting(over, what):
             got = broadcast_bytes(
-                data, is_src, lambda t: dist.broadcast(t, group=group, group_src=src), group_device(group)
+                data, is_src, lambda t: dist.broadcast(t, group=group, group_src=src), _group_device(group)
             )
         return obj if is_src else safe_pickle.loads(got, what)
 
@@ -239,7 +239,7 @@ class Comm:
     def _padded_pickle(self, obj: Any, over: str) -> tuple[torch.Tensor, list[int]]:
         """This rank's pickle, padded to the longest of the group's, and every rank's length."""
         data = safe_pickle.dumps(obj)
-        device = group_device(self._group(over))
+        device = _group_device(self._group(over))
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         lengths = [int(s.item()) for s in self.all_gather(size, over)]
         mine = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
