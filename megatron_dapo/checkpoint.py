@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo import progress
 from megatron_dapo.cli import UserError
@@ -251,11 +250,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)  # a previous crash mid-save
                 (tmp / "state").mkdir(parents=True)
                 (tmp / "dist").mkdir()
-            with progress.waiting("the other ranks (a checkpoint's start)"):
-                dist.barrier()
+            policy.comm.barrier("a checkpoint's start")
             self._write(policy, step, trainer_state, tmp)
-            with progress.waiting("the other ranks (a checkpoint's end)"):
-                dist.barrier()
+            policy.comm.barrier("a checkpoint's end")
             self._complete(policy, tmp, final)
         return final
 
@@ -308,8 +305,7 @@ class CheckpointManager:
             latest_tmp.write_text(final.name + "\n")
             os.replace(latest_tmp, self.root / LATEST)  # last: a reader never sees a pointer to a partial save
             self._prune()
-        with progress.waiting("rank 0 (a checkpoint's rename)"):
-            dist.barrier()
+        policy.comm.barrier("a checkpoint's rename by rank 0")
 
     def _prune(self) -> None:
         complete = self.complete()
@@ -326,10 +322,9 @@ class CheckpointManager:
         """What load tries, in order: the one `latest` names, then the other complete ones, newest first."""
         return step_candidates(self.root)
 
-    def peek_trainer_state(self) -> Optional[dict[str, Any]]:
-        """The trainer state load() would most likely return (the first candidate with this rank's state file), read
+    def peek_trainer_state(self, rank: int) -> Optional[dict[str, Any]]:
+        """The trainer state load() would most likely return (the first candidate with rank's state file), read
         without touching a model: for checks worth making before anything expensive starts. None if there is none."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
         for ckpt in self.candidates():
             try:
                 return read_rank_state(rank_state_file(ckpt, rank))["trainer"]

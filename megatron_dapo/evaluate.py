@@ -195,10 +195,11 @@ def evaluate(engine, pool, prompts: list, cfg, batch_size: int, stop_token_ids: 
     out: an open text file that gets each batch's records as JSON lines, or None. The loop is the trainer's
     (rollout/held_out.py), in a world of one process and one engine.
     """
+    from megatron_dapo.model.comm import Comm
     from megatron_dapo.rollout.held_out import HeldOutEval
 
     e, records = cfg.eval, []
-    held_out = HeldOutEval(engine, pool, rank=0, world=1, tp=1, seed=cfg.seed, stop_token_ids=stop_token_ids)
+    held_out = HeldOutEval(engine, pool, Comm(), tp=1, seed=cfg.seed, stop_token_ids=stop_token_ids)
     max_tokens = e.max_response_length or cfg.rollout.max_response_length
     for batch, groups, scored in held_out.batches(prompts, e.k, e.temperature, e.top_p, max_tokens, batch_size):
         new = problem_records(batch, groups, scored)

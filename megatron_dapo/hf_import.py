@@ -155,8 +155,6 @@ def relaunch(argv: list[str], nproc: int) -> int:
 def convert(args: argparse.Namespace, arch, reader) -> None:
     """Build the model at the layout, load this rank's slices of the HF tensors, save the dist checkpoint."""
 
-    import torch.distributed as dist
-
     import megatron_dapo
     from megatron_dapo.convert.common import format_bytes, prepare_output_dir
     from megatron_dapo.convert.megatron_io import (
@@ -166,12 +164,14 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
         write_metadata,
     )
     from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, copy_non_weight_files
+    from megatron_dapo.model.comm import Comm
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.provider import build_model_chunks, load_full_weights
 
     t_start = t0 = time.perf_counter()
     cfg = _config(args)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
+    comm = Comm(layout)
     chunks = build_model_chunks(arch, cfg, layout)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log(
@@ -192,8 +192,8 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
     out = Path(args.out).absolute()
     if layout.rank == 0:
         prepare_output_dir(out, args.force, keep=(Path(args.hf),), clear=True)
-    dist.barrier()
-    save_megatron_checkpoint(chunks, out / MODEL_SUBDIR)
+    comm.barrier("the output directory, made by rank 0")
+    save_megatron_checkpoint(chunks, out / MODEL_SUBDIR, comm)
     if layout.rank == 0:
         copied = copy_non_weight_files(args.hf, out)
         import megatron.core
@@ -216,7 +216,7 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
             f"saved dist checkpoint {out / MODEL_SUBDIR} ({format_bytes(size)}) and {len(copied)} HF file(s): "
             f"{', '.join(copied)} ({time.perf_counter() - t0:.1f} s)"
         )
-    dist.barrier()
+    comm.barrier("the metadata, written by rank 0")
     destroy_parallel()
     log(f"done in {time.perf_counter() - t_start:.1f} s: {out}")
 

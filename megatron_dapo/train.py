@@ -231,9 +231,6 @@ def train(config: str | None, overrides: list[str]) -> int | None:
 
 
 def _train(cfg: Config, stop: StopSignals) -> None:
-    import torch
-    import torch.distributed as dist
-
     from megatron_dapo.trainer import Trainer
 
     trainer = Trainer(cfg)  # closes what it started if it raises
@@ -254,10 +251,7 @@ def _train(cfg: Config, stop: StopSignals) -> None:
                 print(progress_line(metrics), flush=True)
             sinks.write(metrics)
             # stop together: a signal that reached only some ranks must not leave the others waiting
-            flag = torch.tensor([1.0 if stop.name else 0.0], device=trainer.layout.device)
-            with progress.waiting("the other ranks (whether a stop signal came)"):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0:
+            if trainer.comm.max([1.0 if stop.name else 0.0], what="whether a stop signal came")[0] > 0:
                 stop.running = False  # saving: a second signal leaves at once
                 path = trainer.save()
                 if rank0:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo import gc_tuning, progress
 from megatron_dapo.algorithm.advantages import group_advantages
@@ -38,9 +37,10 @@ from megatron_dapo.algorithm.mismatch import MISMATCH_KEYS, mismatch_metrics, ro
 from megatron_dapo.algorithm.overlong import overlong_filter_mask
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.policy import TrainSample
 from megatron_dapo.placement.protocol import Rollout
-from megatron_dapo.sampling.exchange import Comm, SampleId
+from megatron_dapo.sampling.exchange import SampleId
 from megatron_dapo.sampling.loader import StepBatch
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.timing import PhaseTimer
@@ -165,6 +165,7 @@ class Trainer:
         """model.router_replay for this model: 'none' for a dense one."""
         timeout_s = cfg.trainer.collective_timeout_s
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed, timeout_s)
+        self.comm = Comm(self.layout)
         check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         weights = LazyMegatronWeights(SafetensorsReader(hf), self.arch)
@@ -172,13 +173,13 @@ class Trainer:
         self.reference = self.reference_digest = None
         if cfg.algorithm.kl_coef > 0:  # KL's reference: the starting weights, frozen, sharded like the policy
             self.reference = MegatronPolicy(cfg, self.arch, self.layout, weights, frozen=True)
-            self.reference_digest = weights_digest(weights, self.layout)  # checked when a checkpoint is resumed
+            self.reference_digest = weights_digest(weights, self.comm)  # checked when a checkpoint is resumed
         self.bridge = WeightBridge(
             self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest
         )
         self.checkpoints = CheckpointManager(Path(cfg.trainer.run_dir) / "checkpoints", cfg.trainer.keep_last)
         if cfg.trainer.resume and self.reference_digest is not None:  # refuse before the engines start
-            self._check_reference(self.checkpoints.peek_trainer_state())
+            self._check_reference(self.checkpoints.peek_trainer_state(self.layout.rank))
         resumed = None
         # before the engines and the reward pool: no usable checkpoint stops the run in seconds. What starts after it
         # draws nothing from the global generators it restored (the engine puts them back: vllm_env), so the resumed
@@ -186,9 +187,9 @@ class Trainer:
         if cfg.trainer.resume:
             resumed = self.checkpoints.load(self.policy)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.comm = Comm(self.layout.rank, self.layout.world_size, self.layout.device)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
-        self.dp_rank_of = [int(r) for r in self.comm.max(_one_hot(self.layout, self.layout.dp_rank))]
+        dp_rank = torch.tensor([self.layout.dp_rank], dtype=torch.int64, device=self.comm.device)
+        self.dp_rank_of = [int(r) for r in self.comm.all_gather(dp_rank, "world")]
         self.rollout = make_rollout(cfg, self.tokenizer, self.dataset, self.comm)
         arm_group_timeouts(timeout_s)  # the last groups are the engine's (vLLM makes them with torch's default)
         self.step = 0
@@ -218,14 +219,9 @@ class Trainer:
         return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
 
     def _sum_once(self, total: torch.Tensor) -> torch.Tensor:
-        """[n] float64 held by the ranks that count (zeros elsewhere: each DP replica's data counted once) -> the sum
-        over the world, on every rank."""
-        return torch.tensor(self.comm.sum(total.tolist()), dtype=torch.float64)
-
-    def _counts_once(self) -> bool:
-        """The rank of its data-parallel replica whose numbers count: the last stage's first TP and CP rank (its TP
-        and CP peers hold the same)."""
-        return self.policy.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0
+        """[n] float64 on the last stage (its TP and CP ranks hold the same numbers: the logprobs are whole there) ->
+        the sum over the data-parallel replicas, each counted once, on every rank."""
+        return self.comm.count_once(total.to(self.comm.device), ("tp", "cp", "pp")).cpu()
 
     def _mismatch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Rollout-vs-training mismatch over the step's tokens on every rank (each DP rank's slice counted once):
@@ -233,9 +229,8 @@ class Trainer:
         capped or masked."""
         correction = self.cfg.rollout_correction()
         total = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
-        if self._counts_once():  # pairs is empty before the last stage
-            for old, rollout in pairs:
-                total += rollout_mismatch_sums(old, rollout, correction, self.cfg.algorithm.log_ratio_clamp)
+        for old, rollout in pairs:  # empty before the last stage
+            total += rollout_mismatch_sums(old, rollout, correction, self.cfg.algorithm.log_ratio_clamp)
         return mismatch_metrics(self._sum_once(total), correction)
 
     def _kl_in_reward(
@@ -248,7 +243,7 @@ class Trainer:
         size = len(groups[0].lengths) if groups else 0  # responses per group (train_samples' layout too)
         row = {g.key: i for i, g in enumerate(groups)}
         sums = torch.zeros(len(groups) * size + 1, dtype=torch.float64)  # per response, then the tokens
-        if self._counts_once():
+        if self.policy.is_last_stage:  # where old_logp and ref_logp are
             for (key, j), s in zip(ids, samples):
                 k = kl_estimate(s.old_logp.double(), s.ref_logp.double(), a.kl_estimator)
                 sums[row[key] * size + j], sums[-1] = k.sum(), sums[-1] + k.numel()
@@ -388,8 +383,7 @@ class Trainer:
 
         if self.rollout is not None:
             self.rollout.close()
-        if dist.is_initialized():
-            destroy_parallel()
+        destroy_parallel()
 
 
 def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:
@@ -412,13 +406,6 @@ def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) ->
             f"algorithm.group_size={cfg.algorithm.group_size} is not divisible by the data-parallel size {dp}: with "
             f"{why} a step's last mini-batch holds whole groups and must split evenly over the ranks"
         )
-
-
-def _one_hot(layout: Any, value: int) -> list[float]:
-    """A world-sized vector holding value at this rank (and -1 elsewhere): a max over ranks gathers everyone's."""
-    out = [-1.0] * layout.world_size
-    out[layout.rank] = float(value)
-    return out
 
 
 def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:

@@ -3,7 +3,7 @@ every case; each rank writes OUT_DIR/rank{r}.json, {case: what it saw}. exchange
 responses, write what arrived. agreement: two dynamic-sampling loaders (a scripted engine per rank, one reward pool
 each) take two steps with the same seed on both ranks, then with a different seed on rank 1; write the groups each
 step trained and the error each raised. free_steps: loaders whose engines run at different speeds, with and without
-sampler.lockstep. crafted: the project's records gathered on rank 0, then rank 1 sends rank 0 a pickle that would
+sampler.lockstep. counting: model/comm.py's groups and count_once. crafted: the project's records gathered on rank 0, then rank 1 sends rank 0 a pickle that would
 run a command (leaving OUT_DIR/ran): what rank 0's Comm.broadcast_object said."""
 
 from __future__ import annotations
@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 from run_helpers import RunsCode
 from scripted_engine import ScriptedEngine, loader_config, make_dataset
 
+from megatron_dapo.model.comm import Comm
+from megatron_dapo.model.parallel import init_plain_world
 from megatron_dapo.reward import RewardPool
-from megatron_dapo.sampling.exchange import Comm, deliver, gather_metas, gather_stopped
+from megatron_dapo.sampling.exchange import deliver, gather_metas, gather_stopped
 from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
@@ -145,12 +148,32 @@ def free_steps(comm: Comm) -> dict:
     return out
 
 
+def counting(comm: Comm) -> dict:
+    """The Comm's groups and its one rule for counting replicas once, over this world seen two ways: two data-parallel
+    replicas (the plain world), and one tensor-parallel group of two ranks holding copies of the same numbers."""
+    import torch
+
+    rank = comm.rank
+    tp = Comm(replace(comm.layout, tp=2, dp=1, tp_rank=rank, dp_rank=0))
+    mine = torch.tensor([1.0 + rank, 10.0 * (rank + 1)], dtype=torch.float64)  # which rank counted shows
+    return {
+        "dp_sum": comm.count_once(mine, ("tp",)).tolist(),  # tp=1: every rank is its own replica
+        "tp_sum": tp.count_once(mine, ("tp",)).tolist(),  # the TP group's first rank counts
+        "tp_max": tp.count_once(mine, ("tp",), "max").tolist(),
+        "tp_sum_over_dp": tp.sum(mine.tolist(), "dp"),  # a group of one: nothing moves
+        "gathered": [t.tolist() for t in tp.all_gather(mine, "tp")],
+        "broadcast": tp.broadcast(mine.clone(), 1, "tp").tolist(),
+        "objects": tp.all_gather_objects({"rank": rank}, "a test's object", over="tp"),
+        "max": comm.max([float(rank), -float(rank)]),
+    }
+
+
 def crafted(comm: Comm, out_dir: str) -> dict:
     import pickle
 
     import torch
 
-    from megatron_dapo.model.collectives import broadcast_bytes
+    from megatron_dapo.model.comm import broadcast_bytes
     from megatron_dapo.safe_pickle import RefusedPickle
 
     gathered = comm.gather_objects([meta(comm.rank)], dst=0)
@@ -167,13 +190,12 @@ def crafted(comm: Comm, out_dir: str) -> dict:
 
 
 def main(out_dir: str) -> None:
-    dist.init_process_group("gloo")
-    comm = Comm(dist.get_rank(), dist.get_world_size())
-    result = {case.__name__: case(comm) for case in (exchange, agreement, free_steps)}
+    comm = Comm(init_plain_world())
+    result = {case.__name__: case(comm) for case in (exchange, agreement, free_steps, counting)}
     result["crafted"] = crafted(comm, out_dir)
     with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
         json.dump(result, f)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
 
 

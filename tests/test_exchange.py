@@ -12,7 +12,8 @@ import pytest
 import torch
 from exchange_worker import G, meta, response
 
-from megatron_dapo.sampling.exchange import Comm, meta_width, metas_to_rows, rows_to_metas
+from megatron_dapo.model.comm import Comm
+from megatron_dapo.sampling.exchange import meta_width, metas_to_rows, rows_to_metas
 
 HERE = Path(__file__).parent
 
@@ -90,6 +91,28 @@ def test_without_lockstep_a_fast_engine_generates_on_instead_of_waiting_at_the_t
     assert sum(free[0]["free"]) > 0 and free[0]["engine_steps"] > free[1]["engine_steps"]  # the fast one stepped on
     assert lockstep[0]["free"] == [None, None] and lockstep[0]["engine_steps"] == lockstep[1]["engine_steps"]
     assert sum(tp2[0]["free"]) > 0 and tp2[0]["engine_steps"] == tp2[1]["engine_steps"]
+
+
+def test_the_comm_counts_each_replica_once_and_names_its_groups(two_ranks):
+    """count_once: two data-parallel replicas both count; two tensor-parallel ranks holding copies count once (the
+    first), for a max too (the other adds -inf). A group of one moves nothing; a group as large as the world is the
+    world, in rank order."""
+    for r, res in enumerate(two_ranks):
+        got = res["counting"]
+        assert got["dp_sum"] == [3.0, 30.0] and got["tp_sum"] == [1.0, 10.0] and got["tp_max"] == [1.0, 10.0]
+        assert got["tp_sum_over_dp"] == [1.0 + r, 10.0 * (r + 1)]
+        assert got["gathered"] == [[1.0, 10.0], [2.0, 20.0]] and got["broadcast"] == [2.0, 20.0]
+        assert got["objects"] == [{"rank": 0}, {"rank": 1}] and got["max"] == [1.0, 0.0]
+
+
+def test_a_lone_process_comm_moves_nothing():
+    comm = Comm()
+    t = torch.tensor([1.0, 2.0])
+    assert (comm.rank, comm.world) == (0, 1) and comm.all_reduce(t, "tp") is t and comm.all_gather(t, "dp") == [t]
+    assert comm.count_once(t, ("tp", "cp", "pp")).tolist() == [1.0, 2.0] and comm.sum([1.0, 2.0]) == [1.0, 2.0]
+    assert comm.broadcast_object({"a": 1}) == {"a": 1} and comm.gather_objects(3) == [3]
+    assert comm.all_gather_objects(3, "a number") == [3] and comm.max([4.0]) == [4.0]
+    comm.barrier()
 
 
 def test_an_object_from_another_rank_that_would_run_code_is_refused_not_run(two_ranks):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.reward import RewardBatch
 from megatron_dapo.rollout.held_out import HeldOutEval
 from megatron_dapo.types import Prompt, Response
@@ -40,7 +41,7 @@ def prompts(n: int) -> list[Prompt]:
 @pytest.mark.parametrize("batch_size", [None, 1, 2, 5, 100])
 def test_batches_seed_each_sample_by_its_place_whatever_the_batching(batch_size):
     engine = SeedEngine()
-    held_out = HeldOutEval(engine, EvenScorer(), rank=0, world=1, tp=1, seed=100, stop_token_ids=[0])
+    held_out = HeldOutEval(engine, EvenScorer(), Comm(), tp=1, seed=100, stop_token_ids=[0])
     got = list(held_out.batches(prompts(5), 3, 1.0, 1.0, 8, batch_size))
     size = batch_size or 5
     assert engine.calls == [(min(size, 5 - s), 100 + s * 3) for s in range(0, 5, size)]
@@ -50,7 +51,7 @@ def test_batches_seed_each_sample_by_its_place_whatever_the_batching(batch_size)
 
 
 def test_evaluate_is_avg_and_pass_at_k_over_the_batches():
-    held_out = HeldOutEval(SeedEngine(), EvenScorer(), rank=0, world=1, tp=1, seed=100, stop_token_ids=[0])
+    held_out = HeldOutEval(SeedEngine(), EvenScorer(), Comm(), tp=1, seed=100, stop_token_ids=[0])
     got = held_out.evaluate(prompts(5), 3, 1.0, 1.0, 8)
     # problems 1, 2, 4 can be right; their seeds 103-105, 106-108, 112-114 hold 1, 2, 2 even ones
     assert got == {"eval/avg_at_k": 5 / 15, "eval/pass_at_k": 3 / 5, "eval/k": 3.0, "eval/problems": 5.0}

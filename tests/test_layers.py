@@ -1,5 +1,6 @@
 """The import rules of docs/architecture.md: no module imports from a layer above its own, and no circle of imports
-(which the layer rule leaves possible only inside one layer).
+(which the layer rule leaves possible only inside one layer); and torch.distributed only behind the one communication
+object (model/comm.py), where the groups are made (model/parallel.py) and in the weight transport.
 
 Every import counts, the ones inside functions too (a lazy import is still a dependency). The layers,
 lowest first; a module's layer is that of its first name under megatron_dapo.
@@ -191,3 +192,68 @@ def test_the_repository_root_holds_no_package_but_ours():
     # top-level kernels/ hid Hugging Face's `kernels`, which transformers imports, and vLLM failed to start.
     packages = sorted(p.parent.name for p in REPO.glob("*/__init__.py"))
     assert packages == ["megatron_dapo"], f"packages at the repository root besides megatron_dapo: {packages}"
+
+
+# ------------------------------------------------------------------ torch.distributed behind the Comm
+
+DISTRIBUTED_ALLOWED = {
+    "megatron_dapo.model.comm",  # the one communication object
+    "megatron_dapo.model.parallel",  # the process groups' setup
+    "megatron_dapo.rollout.weight_transport",  # the weight transport's own groups
+}
+DISTRIBUTED_KEPT = {"checkpoint", "run"}
+"""torch.distributed's submodules any module may use: torch DCP (Megatron's checkpoints) and the launchers' run."""
+
+
+def distributed_uses(source: str) -> list[str]:
+    """'line N: what' for each use of torch.distributed (its checkpoint and run submodules aside) or of Megatron's
+    parallel_state (its groups and ranks) in source: collectives and group queries belong to the Comm."""
+    found = []
+
+    def kept(module: str) -> bool:  # torch.distributed.checkpoint..., torch.distributed.run
+        parts = module.split(".")
+        return len(parts) > 2 and parts[2] in DISTRIBUTED_KEPT
+
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner = node.value
+            if isinstance(inner.value, ast.Name) and (inner.value.id, inner.attr) == ("torch", "distributed"):
+                names = [f"torch.distributed.{node.attr}"]
+        for name in names:
+            torch_dist = name == "torch.distributed" or name.startswith("torch.distributed.")
+            if (torch_dist and not kept(name)) or "parallel_state" in name.split("."):
+                found.append(f"line {node.lineno}: {name}")
+                break
+    return sorted(set(found), key=lambda x: int(x.split(":")[0].split()[1]))
+
+
+def test_torch_distributed_is_called_only_by_the_comm_the_group_setup_and_the_transport(sources):
+    uses = {m: distributed_uses(src) for m, (src, _) in sources.items() if m not in DISTRIBUTED_ALLOWED}
+    for path in sorted((REPO / "tools").rglob("*.py")):
+        uses[str(path.relative_to(REPO))] = distributed_uses(path.read_text())
+    assert {m: u for m, u in uses.items() if u} == {}
+    assert all(distributed_uses(sources[m][0]) for m in DISTRIBUTED_ALLOWED)  # the check sees what it allows
+
+
+def test_the_distributed_rule_catches_every_spelling():
+    direct = "import torch.distributed as dist\ndef f(t):\n    dist.all_reduce(t)\n"
+    attribute = "import torch\n\ndef f():\n    return torch.distributed.get_rank()\n"
+    lazy = "def f():\n    from torch import distributed\n"
+    megatron = (
+        "def f():\n    from megatron.core import parallel_state\n    return parallel_state.get_data_parallel_rank()\n"
+    )
+    assert distributed_uses(direct) == ["line 1: torch.distributed"]
+    assert distributed_uses(attribute) == ["line 4: torch.distributed.get_rank"]
+    assert distributed_uses(lazy) == ["line 2: torch.distributed"]
+    assert distributed_uses(megatron) == ["line 2: megatron.core.parallel_state"]
+    kept = (
+        "from torch.distributed.checkpoint.api import CheckpointException\n"
+        "import torch.distributed.run\n"
+        "cmd = ['python', '-m', 'torch.distributed.run']\n"
+    )
+    assert distributed_uses(kept) == []

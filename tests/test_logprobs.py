@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.model import logprobs
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.logprobs import vocab_parallel_logprobs
+from megatron_dapo.model.parallel import world_layout
 
 PADDING_VALUE = 40.0  # padded columns hold logits far above the real ones: counting them changes every result
 
@@ -209,13 +212,13 @@ def _tp_rank(rank: int, store_path: str, out: str, cases: list) -> None:
 
     dist.all_reduce = counted
     logprobs.CHUNK_ELEMENTS = 3 * PART  # 3-row chunks of 10 rows: several chunks, one set of all-reduces
+    comm = Comm(replace(world_layout(rank, 2), tp=2, dp=1, tp_rank=rank, dp_rank=0))  # the world is the TP group
     results = []
     try:
         for logits, targets, grad, vocab_size, temperature in cases:
             reduces.clear()
             x = logits[..., rank * PART : (rank + 1) * PART].clone().requires_grad_()
-            group = dist.group.WORLD
-            logp, entropy = vocab_parallel_logprobs(x, targets, temperature, vocab_size, group, rank, True)
+            logp, entropy = vocab_parallel_logprobs(x, targets, temperature, vocab_size, comm, True)
             (logp * grad).sum().backward()
             results.append({"logp": logp.detach(), "entropy": entropy, "grad": x.grad, "reduces": list(reduces)})
     finally:

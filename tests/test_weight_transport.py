@@ -250,7 +250,7 @@ def test_an_object_that_would_run_code_is_refused_by_the_transport_not_run(tmp_p
 
     import numpy as np
 
-    from megatron_dapo.model.collectives import broadcast_bytes
+    from megatron_dapo.model.comm import broadcast_bytes
     from megatron_dapo.safe_pickle import RefusedPickle
     from megatron_dapo.types import Response
 

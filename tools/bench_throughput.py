@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import (
@@ -201,11 +200,8 @@ def _rollout(engine, policy, vocab: int, args, devices: int, engines: int) -> di
 
 
 def _train(policy, arch, layout, args) -> dict:
-    from megatron.core import parallel_state
-
     seq, batch = args.prompt_len + args.max_tokens, args.prompts * args.n
-    dp_rank = parallel_state.get_data_parallel_rank()
-    samples = random_samples(arch.vocab_size, batch // layout.dp, args.prompt_len, seq, seed=dp_rank)
+    samples = random_samples(arch.vocab_size, batch // layout.dp, args.prompt_len, seq, seed=layout.dp_rank)
     logprob_s, train_s = time_train_step(policy, samples, args.train_steps)
     peak = args.peak_tflops or measure_peak_tflops(policy.model[0].config.params_dtype, layout.device)
     return {
@@ -368,7 +364,7 @@ def main() -> None:
             print(table(result), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(result, indent=2))
-        dist.barrier()
+        policy.comm.barrier()
         if trainer:
             trainer.close()  # vLLM tears down its own groups; before ours go
         destroy_parallel()

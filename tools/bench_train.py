@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.cli import argument_parser
 from megatron_dapo.model.perf import (
@@ -49,8 +48,6 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides: parallel.tp=2 model.dtype=bf16 ...")
     args = ap.parse_args()
 
-    from megatron.core import parallel_state
-
     from megatron_dapo.config import load_config
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy
@@ -63,8 +60,7 @@ def main() -> None:
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
     policy = MegatronPolicy(cfg, arch, layout, None)
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    samples = random_samples(arch.vocab_size, args.batch // layout.dp, args.prompt, args.seq, seed=dp_rank)
+    samples = random_samples(arch.vocab_size, args.batch // layout.dp, args.prompt, args.seq, seed=layout.dp_rank)
     logprob_s, train_s = time_train_step(policy, samples, args.steps)
     peak = args.peak_tflops or measure_peak_tflops(policy.model[0].config.params_dtype, layout.device)
     result = {
@@ -89,7 +85,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
-    dist.barrier()
+    policy.comm.barrier()
     destroy_parallel()
 
 

@@ -21,11 +21,14 @@ import queue
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.config import DTYPES
 from megatron_dapo.convert.common import ConvertError
 from megatron_dapo.model.dtypes import DTYPE_OF_HF_NAME
+
+if TYPE_CHECKING:
+    from megatron_dapo.model.comm import Comm
 
 FORMAT_NAME = "megatron_dapo.dist_checkpoint"
 FORMAT_VERSION = 1
@@ -167,13 +170,13 @@ def in_process_write_results():
         fsa._results_queue = None
 
 
-def save_megatron_checkpoint(chunks: list, ckpt_dir: str | Path) -> float:
-    """dist_checkpointing.save of the model chunks into ckpt_dir (created; collective: every rank calls).
+def save_megatron_checkpoint(chunks: list, ckpt_dir: str | Path, comm: Comm) -> float:
+    """dist_checkpointing.save of the model chunks into ckpt_dir (created; collective: every rank of comm's world
+    calls).
 
     Synchronous. Returns the seconds it took. The directory should be empty: Megatron only warns when
     it is not.
     """
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
@@ -181,7 +184,7 @@ def save_megatron_checkpoint(chunks: list, ckpt_dir: str | Path) -> float:
     ckpt_dir.mkdir(parents=True, exist_ok=True)  # every rank: exist_ok makes it safe, and no rank is asked for
     with in_process_write_results():
         dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
-    dist.barrier()
+    comm.barrier("a checkpoint's end")
     return time.perf_counter() - t0
 
 

@@ -22,21 +22,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from megatron_dapo.model.comm import Comm
 
 CHUNK_ELEMENTS = 1 << 26
 """Rows of at most this many logits (256 MiB as float32) are upcast and processed at a time, forward and backward:
 each chunk costs two float32 temporaries of its size, whatever the micro-batch (a whole [4096, 151936] micro-batch
 at once held 2.3 GiB per float32 temporary)."""
-
-
-def _tp(layout):
-    """(the tensor-parallel group or None alone, this rank's place in it): from the Layout."""
-    if layout.tp == 1:
-        return None, 0
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group(), layout.tp_rank
 
 
 def _shifted(chunk: torch.Tensor, temperature: float, shift: torch.Tensor) -> torch.Tensor:
@@ -54,8 +46,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     """(logits [N, V/tp], targets [N]) -> (logp [N] float32, entropy [N] float32 or None); see the module."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, vocab_size: int, group, rank: int, with_entropy: bool):
+    def forward(ctx, logits, targets, temperature: float, vocab_size: int, comm: Comm, with_entropy: bool):
         n, part = logits.shape
+        rank = comm.layout.tp_rank
         valid = max(0, min(part, vocab_size - rank * part))  # this rank's real columns; the rest is padding
         top = torch.full((n,), float("-inf"), device=logits.device)  # local max of z per row
         total = torch.zeros(n, device=logits.device)  # sum exp(z - top)
@@ -81,15 +74,13 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             picked = logits.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1).float()
             picked = picked / temperature if temperature != 1.0 else picked
             target_z = torch.where(mine, picked, target_z)
-        if group is not None:
-            top_all = top.clone()
-            dist.all_reduce(top_all, op=dist.ReduceOp.MAX, group=group)
+        if comm.size("tp") > 1:
+            top_all = comm.all_reduce(top.clone(), "tp", "max")
             scale = torch.exp(top - top_all)  # 0 on a rank without real columns (top = -inf)
             parts = [total * scale, target_z]
             if weighted is not None:  # sum exp(z - M)(z - M) = scale * (weighted + (top - M) * total)
                 parts.append(torch.where(scale > 0, scale * (weighted + (top - top_all) * total), 0.0))
-            sums = torch.stack(parts)
-            dist.all_reduce(sums, group=group)
+            sums = comm.all_reduce(torch.stack(parts), "tp")
             top, total, target_z = top_all, sums[0], sums[1]
             weighted = sums[2] if weighted is not None else None
         log_total = torch.log(total)
@@ -128,7 +119,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 g.scatter_add_(-1, index[rows], torch.where(mine[rows], coef[rows], 0.0).unsqueeze(-1))
                 grad[rows, :valid] = g
                 del g
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -136,8 +127,7 @@ def vocab_parallel_logprobs(
     targets: torch.Tensor,
     temperature: float,
     vocab_size: int,
-    group: Optional[dist.ProcessGroup] = None,
-    rank: int = 0,
+    comm: Optional[Comm] = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Token logprobs (and entropies) of softmax(logits / temperature) over the full vocabulary.
@@ -145,23 +135,26 @@ def vocab_parallel_logprobs(
     logits: [..., V/tp] (bf16 or fp32; this rank's columns rank * V/tp ... of the padded vocabulary), targets:
     [...] global token ids (< vocab_size) -> (logp [...] float32, differentiable in logits; entropy [...] float32,
     not differentiable, or None unless with_entropy). vocab_size: the real vocabulary (columns at or past it are
-    padding, ignored). group: the tensor-parallel group (None alone: then rank is 0); rank: this rank's place in it.
-    Every rank of the group must call with the same rows.
+    padding, ignored). comm: this rank's collectives, whose tensor-parallel group holds the vocabulary's slices (None:
+    a lone process, the whole vocabulary here). Every rank of the group must call with the same rows.
     """
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])  # a view of the contiguous logits a model returns
     with torch.profiler.record_function("vocab"):
         logp, entropy = _VocabParallelLogprobs.apply(
-            flat, targets.reshape(-1), float(temperature), vocab_size, group, rank, with_entropy
+            flat, targets.reshape(-1), float(temperature), vocab_size, comm or Comm(), with_entropy
         )
     return logp.view(lead), entropy.view(lead) if entropy is not None else None
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, layout, with_entropy: bool = False
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    comm: Comm,
+    with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """vocab_parallel_logprobs on this rank's tensor-parallel group: logits [B, T, V/tp], targets [B, T] ->
-    (logp [B, T] float32, entropy [B, T] float32 or None unless with_entropy). layout: this rank's
-    model.parallel.Layout (its tensor-parallel rank and size)."""
-    group, rank = _tp(layout)
-    return vocab_parallel_logprobs(logits, targets, temperature, vocab_size, group, rank, with_entropy)
+    (logp [B, T] float32, entropy [B, T] float32 or None unless with_entropy)."""
+    return vocab_parallel_logprobs(logits, targets, temperature, vocab_size, comm, with_entropy)

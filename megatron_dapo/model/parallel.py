@@ -6,7 +6,8 @@ rank 0 of 1). nccl on GPU, gloo on CPU. The layout is checked against the model 
 anything is allocated, so an impossible one fails in a second, not after a checkpoint load.
 Megatron keeps the groups themselves (megatron.core.parallel_state); `Layout` is our view: sizes and
 this rank's place in each group, read once here so no other module asks torch.distributed or parallel_state
-for a rank (they take a Layout, or ranks from one). The exceptions, where no Layout can exist yet: the command
+for a rank (they take a Layout, or ranks from one), and the collectives over the groups are model/comm.py's `Comm`,
+built from the Layout. The exceptions, where no Layout can exist yet: the command
 line reads RANK and WORLD_SIZE before any process group starts (cli.error_line's rank prefix, cli's rank-0-only
 logging, train.py's start-up line, hf_export's one-process check), and rollout/vllm_env.py asks whether the
 torchrun variables are set at all.
@@ -188,17 +189,36 @@ def _timeout(timeout_s: Optional[float]) -> dict[str, Any]:
     return {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
 
 
-def init_plain_world(timeout_s: Optional[float] = None) -> tuple[int, int]:
+def world_layout(rank: int = 0, world_size: int = 1, local_rank: int = 0) -> Layout:
+    """The Layout of a world without Megatron's groups (a lone process, the asynchronous rollout processes): no model
+    parallelism, each rank a data-parallel replica of its own."""
+    return Layout(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        tp=1,
+        pp=1,
+        vpp=None,
+        cp=1,
+        dp=world_size,
+        use_te=False,
+        sequence_parallel=False,
+        attention="sdpa",
+        dp_rank=rank,
+    )
+
+
+def init_plain_world(timeout_s: Optional[float] = None) -> Layout:
     """torch.distributed's world from the environment, without Megatron's groups: the asynchronous rollout
     processes' (their loaders' collectives, their engines' groups; objects over gloo, CUDA tensors over NCCL). A lone
     process starts none. timeout_s: every collective's (trainer.collective_timeout_s; None: torch's default).
-    Returns (rank, world size)."""
+    Returns its world_layout."""
     rank, world_size, local_rank = env_place()
     if world_size > 1:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", **_timeout(timeout_s))
-    return rank, world_size
+    return world_layout(rank, world_size, local_rank)
 
 
 def _group_names() -> dict[Any, str]:
@@ -288,8 +308,11 @@ def init_parallel(
 
 
 def destroy_parallel() -> None:
+    """Megatron's groups and torch.distributed's world, if they are still there (a colocated engine's shutdown takes
+    the world with it)."""
+    if not dist.is_initialized():
+        return
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist.destroy_process_group()

@@ -22,7 +22,6 @@ from functools import partial
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo import progress
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
@@ -32,6 +31,7 @@ from megatron_dapo.config import Config
 from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.logprobs import token_logprobs
 from megatron_dapo.model.microbatch import (  # TrainSample: what callers build, imported from here too
     MicroBatch,
@@ -68,7 +68,7 @@ class MegatronPolicy:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.cfg, self.arch, self.layout = cfg, arch, layout
+        self.cfg, self.arch, self.layout, self.comm = cfg, arch, layout, Comm(layout)
         chunks = provider.build_model_chunks(arch, cfg, layout)
         if full_weights is not None:
             provider.load_full_weights(chunks, full_weights, arch, layout)
@@ -119,7 +119,7 @@ class MegatronPolicy:
     def _routing(self, chunks: list) -> None:
         """The routing driver of a MoE model, over the chunks as the schedule hands them to forward_step."""
         if self.arch.is_moe:
-            self.routing = Routing(chunks, self.arch, self.layout, recompute=self.cfg.model.recompute == "full")
+            self.routing = Routing(chunks, self.arch, self.comm, recompute=self.cfg.model.recompute == "full")
 
     def close(self) -> None:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
@@ -144,20 +144,9 @@ class MegatronPolicy:
     def is_last_stage(self) -> bool:
         return self.layout.pp_rank == self.layout.pp - 1
 
-    def _dp_group(self, with_cp: bool = False):
-        """Data-parallel ranks (the samples differ); with_cp adds the context-parallel ranks (positions differ)."""
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group(with_context_parallel=with_cp)
-
     def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
         """[b, L / cp] on each context-parallel rank -> [b, L] everywhere."""
-        from megatron.core import parallel_state
-
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.layout.cp)]
-        dist.all_gather(parts, t, group=parallel_state.get_context_parallel_group())
-        return cp_unslice(parts)
+        return cp_unslice(self.comm.all_gather(t, "cp"))
 
     def _microbatches(self, samples: list[TrainSample], forward_only: bool) -> list[MicroBatch]:
         """This rank's micro-batches of samples for a pass (its context-parallel share of each)."""
@@ -222,7 +211,7 @@ class MegatronPolicy:
         vocab = self.arch.vocab_size
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.layout, with_entropy)
+            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.comm, with_entropy)
             rows = {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}
             if self.layout.cp > 1:  # spans index the full row: reassemble it from the CP ranks
                 rows = {k: self._gather_cp(v) for k, v in rows.items()}
@@ -274,12 +263,10 @@ class MegatronPolicy:
 
     def global_normalizer(self, samples: list[TrainSample]) -> float:
         """What the mini-batch's loss sum is divided by (algorithm.loss_normalizer's rule for loss_agg_mode), summed
-        over data-parallel ranks."""
+        over data-parallel ranks (the samples differ)."""
         tokens = torch.tensor([len(s.response_ids) if s.in_loss else 0 for s in samples], dtype=torch.int64)
         local = loss_normalizer(tokens, self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.max_response_length)
-        count = torch.tensor([float(local)], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(count, group=self._dp_group())
-        return float(count.item())
+        return self.comm.sum([float(local)], "dp", "the token-mean's divisor")[0]
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (old_logp needed on the last stage).
@@ -307,7 +294,7 @@ class MegatronPolicy:
         t0 = time.perf_counter()
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.layout, with_entropy=True)
+            logp, entropy = token_logprobs(logits, mb.targets, temperature, vocab, self.comm, with_entropy=True)
             out = self.loss_fn(
                 logp,
                 mb.old_logp,
@@ -369,19 +356,16 @@ class MegatronPolicy:
         if not (aux or z):
             return
         local = float(sum(mb.tokens.numel() for mb in mbs))
-        tokens = torch.tensor([local], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(tokens, group=self._dp_group(with_cp=True))
-        total = max(float(tokens.item()), 1.0)
+        total = max(self.comm.sum([local], "dp_cp", "the routers' tokens")[0], 1.0)  # CP ranks: different positions
         for chunk in self.model:
             config = provider.unwrap(chunk).config
             config.moe_aux_loss_coeff = aux / total
             config.moe_z_loss_coeff = z / total if z else None
 
     def _reduce_metrics(self, outputs: list[dict], normalizer: float, kl_term: bool) -> dict[str, float]:
-        """Sum the last stage's statistics over micro-batches and DP ranks, then share them with every stage.
-        kl_term: add actor/kl (the reference KL estimate per token) and actor/kl_loss (its part of actor/loss)."""
-        from megatron.core import parallel_state
-
+        """Sum the last stage's statistics over micro-batches and the DP and CP ranks (CP ranks hold different
+        positions), on every stage. kl_term: add actor/kl (the reference KL estimate per token) and actor/kl_loss (its
+        part of actor/loss)."""
         keys = ["loss", "entropy_sum", "tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl_sum"]
         keys += ["kl_sum", "kl_loss_sum"]
         sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
@@ -391,15 +375,8 @@ class MegatronPolicy:
                 sums[j] = float(sum(float(o[k]) for o in outputs)) if k in ("loss", "entropy_sum") else float(stats[k])
             sums[-1] = float(stats["ratio_max"])
         sums = sums.to(self.layout.device)
-        ratio_max = sums[-1:].clone()
-        dist.all_reduce(sums[:-1], group=self._dp_group(with_cp=True))  # CP ranks hold different positions
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self._dp_group(with_cp=True))
-        if self.layout.pp > 1:  # the last stage knows; the others learn it
-            group = parallel_state.get_pipeline_model_parallel_group()
-            last = dist.get_process_group_ranks(group)[-1]  # the global rank of this pipeline's last stage
-            packed = torch.cat([sums[:-1], ratio_max])
-            dist.broadcast(packed, src=last, group=group)
-            sums, ratio_max = packed, packed[-1:]
+        ratio_max = self.comm.count_once(sums[-1:], ("tp", "pp"), "max")  # TP ranks hold the same statistics
+        sums = self.comm.count_once(sums[:-1], ("tp", "pp"))
         total = {k: torch.tensor(float(sums[j])) for j, k in enumerate(keys)}
         total["ratio_max"] = torch.tensor(float(ratio_max[0]))
         metrics = loss_metrics(total)

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_dapo.config import Config
 from megatron_dapo.model.arch import ModelArch
-from megatron_dapo.model.collectives import all_gather_objects
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.dtypes import torch_dtype
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.sharding import (
@@ -377,24 +376,16 @@ def tp_place(name: str, layout: Layout) -> tuple[int, int]:
     return (layout.etp_rank, layout.etp) if expert_of(name) is not None else (layout.tp_rank, layout.tp)
 
 
-def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, layout: Layout) -> torch.Tensor:
+def gather_tp(name: str, local: torch.Tensor, arch: ModelArch, comm: Comm) -> torch.Tensor:
     """This TP rank's slice of Megatron tensor `name` -> the full tensor, vocabulary padding dropped.
 
     Collective over the TP group (the expert-TP group for an expert's tensor; every rank of it calls it for the same
     name); a replicated tensor comes back as it is. The result is contiguous (gloo sends non-contiguous views wrong).
     """
-    from megatron.core import parallel_state
-
     t = local.detach().contiguous()
-    size = tp_place(name, layout)[1]
-    if tp_split_dim(name) is not None and size > 1:
-        shards = [torch.empty_like(t) for _ in range(size)]
-        group = (
-            parallel_state.get_expert_tensor_parallel_group()
-            if expert_of(name) is not None
-            else parallel_state.get_tensor_model_parallel_group()
-        )
-        dist.all_gather(shards, t, group=group)
+    over = "etp" if expert_of(name) is not None else "tp"
+    if tp_split_dim(name) is not None and comm.size(over) > 1:
+        shards = comm.all_gather(t, over)
         t = tp_unshard(name, shards)
         del shards  # the slices are garbage once joined: free them before anything else is allocated
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -408,26 +399,26 @@ def tp_gathered_tensors(chunks: list, arch: ModelArch, layout: Layout, grads: bo
     Collective over the TP group: every TP rank gets every tensor; with expert parallelism, only this rank's
     experts (global names). Meant for checks and small models; the weight bridge streams instead.
     """
-    out = {}
+    out, comm = {}, Comm(layout)
     for slot in local_slots(chunks, arch, layout.ep_rank):
-        t = gather_tp(slot.full_name, slot.param.main_grad if grads else slot.param.data, arch, layout).float()
+        t = gather_tp(slot.full_name, slot.param.main_grad if grads else slot.param.data, arch, comm).float()
         out.setdefault(slot.full_name, t.clone())  # a tied embedding on first and last stage: the first copy
     return out
 
 
-def weights_digest(full: Mapping[str, torch.Tensor], layout: Layout) -> str:
+def weights_digest(full: Mapping[str, torch.Tensor], comm: Comm) -> str:
     """sha256 over every full Megatron tensor (name, dtype, shape, bytes) in `full`'s order: the same for any
     tp/pp/cp/dp, so a resumed run can check it is against the same weights. Each rank hashes one contiguous
     share of the names (LazyMegatronWeights then reads each layer about once in all) and the digests are gathered:
     collective over the world. full: name -> full tensor, e.g. LazyMegatronWeights."""
     names = list(full)
-    share = -(-len(names) // layout.world_size)
+    share = -(-len(names) // comm.world)
     mine = {}
-    for name in names[layout.rank * share : (layout.rank + 1) * share]:
+    for name in names[comm.rank * share : (comm.rank + 1) * share]:
         t = full[name].detach().cpu().contiguous()
         h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
         mine[name] = h.hexdigest()
-    parts = all_gather_objects(mine, "a rank's weight digests")
+    parts = comm.all_gather_objects(mine, "a rank's weight digests")
     merged = {k: v for part in parts for k, v in part.items()}
     return hashlib.sha256("".join(f"{n}:{merged[n]}\n" for n in names).encode()).hexdigest()

@@ -35,9 +35,9 @@ from collections import deque
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.model.arch import ModelArch
+from megatron_dapo.model.comm import Comm
 
 MODES = ("off", "record", "replay")
 """A pass's routing: each router's own, its own recorded, or given routes replayed."""
@@ -138,10 +138,10 @@ class Routing:
     """Every MoE router of one policy's model chunks (this rank's pipeline stages), driven per pass and
     micro-batch."""
 
-    def __init__(self, chunks: list, arch: ModelArch, layout, recompute: bool) -> None:
+    def __init__(self, chunks: list, arch: ModelArch, comm: Comm, recompute: bool) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.arch, self.layout = arch, layout
+        self.arch, self.comm, self.layout = arch, comm, comm.layout
         self.layers: dict[int, list[LayerRouting]] = {}
         """id(chunk) -> its MoE layers' LayerRouting (the chunk as the schedule hands it to forward_step)."""
         for chunk in chunks:
@@ -207,12 +207,8 @@ class Routing:
         for layer in self.all_layers():
             rows = layer.recorded[forward]
             if self.layout.sequence_parallel:
-                from megatron.core import parallel_state
-
                 rows = rows.to(self.layout.device, torch.int64)  # NCCL takes no uint8 on every build
-                parts = [torch.empty_like(rows) for _ in range(self.layout.tp)]
-                dist.all_gather(parts, rows.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-                rows = torch.cat(parts)
+                rows = torch.cat(self.comm.all_gather(rows, "tp"))
             out[:, :, layer.moe_index] = rows.view(length, b, k).transpose(0, 1).cpu().long()
         return out
 
@@ -222,14 +218,12 @@ class Routing:
         parallel; pipeline stages each add their own layers). Identical on every rank."""
         arch, n = self.arch, self.arch.num_experts
         stats = torch.zeros(len(arch.moe_layers), 4 + 2 * n, dtype=torch.float64)
-        replicas = 1 if self.layout.sequence_parallel else self.layout.tp  # TP ranks that saw the same rows
         for layer in self.all_layers():
-            stats[layer.moe_index, :-1] += layer.stats / replicas
-            stats[layer.moe_index, -1] += layer.agreement_rows / replicas
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            stats = stats.to(self.layout.device)
-            dist.all_reduce(stats)  # a virtual stage's layers are one chunk's: no layer is counted twice
-            stats = stats.cpu()
+            stats[layer.moe_index, :-1] += layer.stats
+            stats[layer.moe_index, -1] += layer.agreement_rows
+        # TP ranks saw the same rows unless sequence parallel split them; a virtual stage's layers are one chunk's
+        copies = () if self.layout.sequence_parallel else ("tp",)
+        stats = self.comm.count_once(stats.to(self.layout.device), copies).cpu()
         rows, agree, z = stats[:, 0], stats[:, 1], stats[:, 2]
         probs, tokens, given = stats[:, 3 : 3 + n], stats[:, 3 + n : 3 + 2 * n], stats[:, -1]
         if float(rows.sum()) == 0:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_dapo.config import Config
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.rollout.held_out import HeldOutEval
-from megatron_dapo.sampling.exchange import Comm, RouteShape, SampleId, deliver
+from megatron_dapo.sampling.exchange import RouteShape, SampleId, deliver
 from megatron_dapo.sampling.loader import DynamicSamplingLoader, StepBatch
 from megatron_dapo.types import Prompt, Response
 
@@ -65,7 +66,7 @@ def build_rollout_parts(
         stop_token_ids=stop,
     )
     # evaluation; training rollouts are scored by their engine's rank
-    held_out = HeldOutEval(engine, pool, comm.rank, comm.world, tp, cfg.seed, stop)
+    held_out = HeldOutEval(engine, pool, comm, tp, cfg.seed, stop)
     return RolloutParts(engine, pool, held_out, loader)
 
 

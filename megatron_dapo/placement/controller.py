@@ -42,9 +42,9 @@ from typing import Any, Optional
 
 from megatron_dapo import progress
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.placement.colocated import build_rollout_parts
 from megatron_dapo.placement.transport import Transport, transport_backend
-from megatron_dapo.sampling.exchange import Comm
 from megatron_dapo.sampling.loader import DynamicSamplingError
 
 log = logging.getLogger("megatron_dapo.placement")
@@ -72,7 +72,7 @@ def run_rollout(cfg: Config) -> None:
     try:
         # its own torch.distributed world (several processes: the loaders' collectives, the engines' groups)
         timeout_s = cfg.trainer.collective_timeout_s
-        comm = Comm(*init_plain_world(timeout_s))
+        comm = Comm(init_plain_world(timeout_s))
         # never asleep: the engines here generate while the train side trains
         parts = build_rollout_parts(cfg, tokenizer, dataset, comm, enable_sleep_mode=False)
         arm_group_timeouts(timeout_s)  # the engine's groups too (vLLM makes them with torch's default)

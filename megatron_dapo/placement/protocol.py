@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from megatron_dapo.config import Config
-from megatron_dapo.sampling.exchange import Comm, SampleId
+from megatron_dapo.model.comm import Comm
+from megatron_dapo.sampling.exchange import SampleId
 from megatron_dapo.sampling.loader import StepBatch
 from megatron_dapo.types import Prompt, Response
 

@@ -27,12 +27,11 @@ import time
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo import progress
 from megatron_dapo.convert.layouts import megatron_names, megatron_shape, megatron_to_hf
 from megatron_dapo.model.arch import ModelArch
-from megatron_dapo.model.collectives import all_gather_objects
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
 from megatron_dapo.model.sharding import expert_of
@@ -46,41 +45,31 @@ class WeightBridge:
     def __init__(
         self, model_chunks: list, arch: ModelArch, layout: Layout, bucket_bytes: int = 1 << 30, digest: bool = True
     ) -> None:
-        from megatron.core import parallel_state
-
         self.arch, self.layout, self.bucket_bytes, self.digest = arch, layout, bucket_bytes, digest
+        self.comm = Comm(layout)
         self.params = {}
         for slot in local_slots(model_chunks, arch, layout.ep_rank):
             self.params.setdefault(slot.full_name, slot.param)  # a tied embedding: either copy will do
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = layout.pp_rank
         # Which pipeline rank owns each tensor, and its dtype: learnt once, by exchanging what each stage holds, so
         # the other stages can allocate receive buffers.
         mine = sorted((name, str(p.dtype).removeprefix("torch.")) for name, p in self.params.items())
-        if layout.pp > 1:
-            held = all_gather_objects(mine, "the tensors each pipeline stage holds", group=self.pp_group)
-        else:
-            held = [mine]
+        held = self.comm.all_gather_objects(mine, "the tensors each pipeline stage holds", over="pp")
         self.owner: dict[str, int] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         for rank, entries in enumerate(held):
             for name, dtype in entries:
                 if name not in self.owner:
                     self.owner[name], self.dtypes[name] = rank, getattr(torch, dtype)
-        self.ep_ranks = [layout.rank]
         if arch.is_moe:  # an expert lives where its layer's router does, on EP rank expert // (experts per rank)
             for name in megatron_names(arch):
                 expert = expert_of(name)
                 if expert is not None:
                     router = f"decoder.layers.{expert[0]}.mlp.router.weight"
                     self.owner[name], self.dtypes[name] = self.owner[router], self.dtypes[router]
-            if layout.ep > 1:
-                self.ep_group = parallel_state.get_expert_model_parallel_group()
-                self.ep_ranks = dist.get_process_group_ranks(self.ep_group)
         missing = [n for n in megatron_names(arch) if n not in self.owner]
         if missing:
             raise RuntimeError(f"weight bridge: no pipeline stage holds {missing[:3]} ({len(missing)} tensors)")
-        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [layout.rank]
         self.last_sync: dict[str, float] = {}
         self._encode_seconds = 0.0
 
@@ -89,14 +78,12 @@ class WeightBridge:
         expert = expert_of(name)
         holder = expert[1] // (self.arch.num_experts // self.layout.ep) if expert else self.layout.ep_rank
         if self.owner[name] == self.pp_rank and holder == self.layout.ep_rank:
-            t = gather_tp(name, self.params[name], self.arch, self.layout)
+            t = gather_tp(name, self.params[name], self.arch, self.comm)
         else:
             t = torch.empty(megatron_shape(name, self.arch), dtype=self.dtypes[name], device=self.layout.device)
-        if expert and self.layout.ep > 1 and self.owner[name] == self.pp_rank:
-            dist.broadcast(t, src=self.ep_ranks[holder], group=self.ep_group)
-        if self.layout.pp > 1:
-            dist.broadcast(t, src=self.pp_ranks[self.owner[name]], group=self.pp_group)
-        return t
+        if expert and self.owner[name] == self.pp_rank:
+            self.comm.broadcast(t, holder, "ep")
+        return self.comm.broadcast(t, self.owner[name], "pp")
 
     def _encoded(self, name: str, weight_format: str) -> Iterator[tuple[str, torch.Tensor]]:
         """The Hugging Face tensors of one Megatron tensor, encoded for the engine (timed)."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import progress, safe_pickle
-from megatron_dapo.model.collectives import broadcast_bytes
+from megatron_dapo.model.comm import broadcast_bytes
 
 Bucket = list[tuple[str, torch.Tensor]]
 """Hugging Face (name, full tensor) pairs: what WeightBridge yields and a sender sends, one buffer at a time."""

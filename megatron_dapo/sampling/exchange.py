@@ -5,119 +5,23 @@ Every rank runs the same sampling scheduler, so every rank needs each finished g
 numbers per response), gathered each tick as one float64 tensor. A response's tokens and
 logprobs stay on the rank of the engine that generated it until the step's batch is known; then
 each goes, as int32 / float32 tensors (point to point), only to the ranks of the data-parallel
-replica that trains it. Without torch.distributed (one process) nothing moves.
+replica that trains it. The collectives are model/comm.py's Comm; a lone process's moves nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_dapo import progress
-from megatron_dapo.model import collectives
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
 SampleId = tuple[int, int]
 """(group key, sample index within the group)."""
-
-
-class Comm:
-    """The collectives the sampler uses, over torch.distributed's world (or a single process without one).
-
-    rank, world: this process's place in the world (the trainer's Layout; the default is a lone process).
-    device: where collective tensors live (CUDA for NCCL, CPU for gloo).
-    """
-
-    def __init__(self, rank: int = 0, world: int = 1, device: Optional[torch.device] = None) -> None:
-        self.rank, self.world = rank, world
-        self.device = device or torch.device("cpu")
-        self.bytes_gathered = 0
-        """Bytes this rank received through all_gather_rows so far (the summaries' traffic)."""
-
-    def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [r, w] float64 on this rank -> [sum of r over ranks, max of w], in rank order; a narrower rank's
-        rows are padded with zero columns (one gather of the shapes, one of the rows)."""
-        if self.world == 1:
-            return rows
-        with progress.waiting("the other ranks (their group summaries)"):
-            return self._all_gather_rows(rows)
-
-    def _all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        shape = torch.tensor([rows.shape[0], rows.shape[1]], dtype=torch.int64, device=self.device)
-        shapes = [torch.zeros_like(shape) for _ in range(self.world)]
-        dist.all_gather(shapes, shape)
-        sizes = [int(s[0].item()) for s in shapes]
-        most, width = max(sizes), max(int(s[1].item()) for s in shapes)
-        if most == 0:
-            return rows.new_zeros((0, width))
-        padded = torch.zeros((most, width), dtype=torch.float64, device=self.device)
-        padded[: rows.shape[0], : rows.shape[1]] = rows.to(self.device)
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded.contiguous())  # gloo sends a non-contiguous tensor wrong, silently
-        self.bytes_gathered += most * width * 8 * (self.world - 1)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
-
-    def sum(self, values: Sequence[float]) -> list[float]:
-        """Element-wise sum over ranks."""
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            with progress.waiting("the other ranks (a sum)"):
-                dist.all_reduce(t)
-        return t.cpu().tolist()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """obj from rank src (ignored elsewhere) on every rank (model/collectives.py: read by the restricted
-        unpickler)."""
-        if self.world == 1:
-            return obj
-        with progress.waiting("the other ranks (an object broadcast)"):
-            return collectives.broadcast_object(obj, src, what=f"an object broadcast by rank {src}")
-
-    def gather_objects(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
-        """Every rank's obj, in rank order, on rank dst; None elsewhere (read by the restricted unpickler)."""
-        if self.world == 1:
-            return [obj]
-        with progress.waiting("the other ranks (an object gather)"):
-            return collectives.gather_objects(obj, dst, what=f"an object gathered on rank {dst}")
-
-    def host_groups(self, size: int) -> tuple[Any, Any]:
-        """Two gloo groups for signals that must not queue behind (or between) an engine's NCCL work: the whole
-        world's, and this rank's among the consecutive blocks of `size` ranks (an engine's rollout.tp ranks; None
-        when size is 1). Collective: every rank builds every group, in the same order."""
-        world = dist.new_group(list(range(self.world)), backend="gloo")
-        mine = None
-        for first in range(0, self.world, size) if size > 1 else ():
-            group = dist.new_group(list(range(first, first + size)), backend="gloo")
-            if first <= self.rank < first + size:
-                mine = group
-        return world, mine
-
-    @staticmethod
-    def arrive(group: Any) -> Any:
-        """A barrier over `group` (host_groups' world) that does not block: a handle whose is_completed() turns
-        true once every rank has arrived; wait() blocks until then."""
-        return dist.all_reduce(torch.zeros(1), group=group, async_op=True)
-
-    @staticmethod
-    def broadcast_flag(flag: bool, group: Any) -> bool:
-        """The flag of the first rank of `group` (host_groups' block) on every rank of it."""
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        with progress.waiting("the engine's first rank (a flag)"):
-            dist.broadcast(t, group=group, group_src=0)
-        return bool(t.item())
-
-    def max(self, values: Sequence[float]) -> list[float]:
-        """Element-wise max over ranks."""
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            with progress.waiting("the other ranks (a max)"):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
 
 
 # ------------------------------------------------------------------ group summaries as tensor rows
@@ -249,7 +153,7 @@ def deliver(
             mine[sid] = local[sid[0]][sid[1]]
     if comm.world == 1:
         return mine, 0
-    sends, recvs, handles = [], [], []
+    sends, recvs, incoming = [], [], []
     for peer in range(comm.world):
         if peer == me:
             continue
@@ -264,7 +168,7 @@ def deliver(
             payload = [tokens, logps]
             if routes is not None:
                 payload.append(_routes_payload(out, responses, routes))
-            sends.append((peer, [t.to(comm.device) for t in payload]))
+            sends += [(peer, t.to(comm.device)) for t in payload]
         if inc:
             n = sum(by_key[k].lengths[j] for k, j in inc)
             bufs = [torch.empty(n, dtype=torch.int32, device=comm.device)]
@@ -272,16 +176,11 @@ def deliver(
             if routes is not None:
                 rows = sum(routes.rows(sid) for sid in inc)
                 bufs.append(torch.empty(rows, routes.layers, routes.topk, dtype=routes.dtype, device=comm.device))
-            recvs.append((inc, bufs))
-            handles += [dist.irecv(b, peer) for b in bufs]
-    sent = 0
-    for peer, payload in sends:
-        handles += [dist.isend(t, peer) for t in payload]
-        sent += sum(t.numel() * t.element_size() for t in payload)
-    with progress.waiting("the other ranks (responses moving to where they train)"):
-        for h in handles:
-            h.wait()
-    for inc, bufs in recvs:
+            incoming.append((inc, bufs))
+            recvs += [(peer, b) for b in bufs]
+    comm.send_recv(sends, recvs, "responses moving to where they train")
+    sent = sum(t.numel() * t.element_size() for _, t in sends)
+    for inc, bufs in incoming:
         tokens, logps, at, row = bufs[0].cpu().tolist(), bufs[1].cpu(), 0, 0
         all_routes = bufs[2].cpu() if routes is not None else None
         for k, j in inc:

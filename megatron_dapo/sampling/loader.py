@@ -37,8 +37,9 @@ from typing import Any, Callable, Optional, Protocol
 from megatron_dapo import progress
 from megatron_dapo.choices import ROUND_SAMPLER_MODES
 from megatron_dapo.config import Config
+from megatron_dapo.model.comm import Comm
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
-from megatron_dapo.sampling.exchange import Comm, gather_metas, gather_stopped
+from megatron_dapo.sampling.exchange import gather_metas, gather_stopped
 from megatron_dapo.sampling.group_summary import GroupShaping, load_group_filter, token_versions
 from megatron_dapo.sampling.records import GroupMeta, Stopped, Submission
 from megatron_dapo.sampling.scheduler import DynamicSamplingError, SamplingScheduler
