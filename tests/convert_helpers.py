@@ -1,5 +1,9 @@
 """Shared by the conversion tests: run the conversion tools through their real CLI, and two Megatron workers.
 
+With in-one-process first, it runs a tool's main() on each of a JSON list of argument lists, in turn:
+
+    python tests/convert_helpers.py in-one-process convert_megatron_to_hf '[["--megatron", ...], ...]'
+
 As a script (Megatron runs only in subprocesses, away from pytest's process), it loads each given
 converted checkpoint into a GPTModel built at TP=1, PP=1 in float32 and saves its logits for the given
 tokens:
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -49,14 +54,19 @@ def tool_module(tool: str) -> types.ModuleType:
     return module
 
 
-def run_all_ok(runs: list[tuple[str, list[str]]], timeout: int = 300) -> list[str]:
+def run_all_ok(runs: list[tuple[str, list[str] | list[list[str]]]], timeout: int = 300) -> list[str]:
     """Run several (tool, args) at once (their start-up is mostly imports and waits); returns their stdouts.
 
-    Every run must succeed; the assertion shows a failed run's output tails.
+    A run whose args is a list of argument lists is the tool's main() on each in turn in one process (this file's
+    `in-one-process` mode: the imports paid once); its stdout is theirs, one after another. Every run must succeed;
+    the assertion shows a failed run's output tails.
     """
     procs = []
     for tool, args in runs:
-        cmd = [sys.executable, str(TOOLS / f"{tool}.py"), *args]
+        if args and isinstance(args[0], list):
+            cmd = [sys.executable, __file__, "in-one-process", tool, json.dumps(args)]
+        else:
+            cmd = [sys.executable, str(TOOLS / f"{tool}.py"), *args]
         procs.append(
             subprocess.Popen(
                 cmd, env={**os.environ, **_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
@@ -64,7 +74,7 @@ def run_all_ok(runs: list[tuple[str, list[str]]], timeout: int = 300) -> list[st
         )
     outputs = [p.communicate(timeout=timeout) for p in procs]
     for (tool, args), proc, (out, err) in zip(runs, procs, outputs):
-        assert proc.returncode == 0, f"{tool} {' '.join(args)} failed:\n{out[-3000:]}\n{err[-5000:]}"
+        assert proc.returncode == 0, f"{tool} {args} failed:\n{out[-3000:]}\n{err[-5000:]}"
     return [out for out, _ in outputs]
 
 
@@ -174,8 +184,18 @@ def _worker() -> None:
     destroy_parallel()
 
 
+def _in_one_process(tool: str, argvs: list[list[str]]) -> None:
+    """tools/{tool}.py's main(argv) for each argv in turn; stops at the first that fails."""
+    for argv in argvs:
+        code = tool_module(tool).main(argv)
+        if code:
+            sys.exit(f"{tool} {argv} exited {code}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["train-checkpoint"]:
         _training_worker(sys.argv[2:])
+    elif sys.argv[1:2] == ["in-one-process"]:
+        _in_one_process(sys.argv[2], json.loads(sys.argv[3]))
     else:
         _worker()
