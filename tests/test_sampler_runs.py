@@ -131,7 +131,7 @@ def test_a_rollout_side_stopped_mid_update_then_resume_split_reproduces_the_unin
     2. colocated: resumes from the asynchronous run's newest checkpoint and finishes. The metrics of both, step for
        step (the rollout side's held-out evaluation after step 2 included), and the prompt memory saved at the end
        are the uninterrupted colocated run's. (An asynchronous run resuming an asynchronous checkpoint step for step
-       is the Slurm USR1 test's, tests/test_slurm_cluster.py; a rank stopped inside a checkpoint save and SIGTERM to
+       is the Slurm stall test's, tests/test_slurm_cluster.py; a rank stopped inside a checkpoint save and SIGTERM to
        an asynchronous run are the next test's, at eta = 1.)
     """
     cmd, env, lines, full = uninterrupted
