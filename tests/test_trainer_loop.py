@@ -122,12 +122,14 @@ def drive(model: str, root: str) -> None:
 
     out_dir = Path(root)
     write_jsonl(out_dir / "train.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=16, seed=0))
+    write_jsonl(out_dir / "val.jsonl", generate_rows(kind="arithmetic", schema="dapo", n=4, seed=1))  # never read
     cfg = load_config(
         None,
         [
             f"model.hf_path={model}",
             "model.dtype=fp32",
             f"data.train_files=[{out_dir / 'train.jsonl'}]",
+            f"data.val_files=[{out_dir / 'val.jsonl'}]",
             "data.max_prompt_length=480",
             "rollout.max_response_length=24",
             "algorithm.overlong_buffer_len=8",

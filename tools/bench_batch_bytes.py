@@ -1,4 +1,5 @@
-"""Bytes a train rank receives per rollout step from the asynchronous rollout side, before and after issue 54.
+"""Bytes a train rank receives per rollout step from the asynchronous rollout side: every response of the batch to
+every train rank (before), against each train rank's own share (after).
 
     python tools/bench_batch_bytes.py                                    # the paper's shape, 64 train ranks (DP 64)
     python tools/bench_batch_bytes.py --train-ranks 64 --tp 8            # DP 8: each share goes to 8 TP peers
@@ -36,12 +37,19 @@ VOCAB = 152_064  # Qwen2.5's
 
 
 class Responses(Mapping):
-    """key -> the group's responses, made again from the seed at every access (nothing kept)."""
+    """key -> the group's responses, made from the seed at each access (only the last group kept: a share takes a
+    group's responses one after another)."""
 
     def __init__(self, lengths: dict[int, list[int]], seed: int) -> None:
         self.lengths, self.seed = lengths, seed
+        self.last: tuple[int, list[Response]] = (-1, [])
 
     def __getitem__(self, key: int) -> list[Response]:
+        if self.last[0] != key:
+            self.last = (key, self._make(key))
+        return self.last[1]
+
+    def _make(self, key: int) -> list[Response]:
         rng = np.random.default_rng([self.seed, key])
         return [
             Response(
