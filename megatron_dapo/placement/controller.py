@@ -88,19 +88,32 @@ def run_rollout(cfg: Config) -> None:
         parts = build_rollout_parts(cfg, tokenizer, dataset, comm, enable_sleep_mode=False)
         arm_group_timeouts(timeout_s)  # the engine's groups too (vLLM makes them with torch's default)
         batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg), timeout_s)
-        start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
-        state, shares = comm.broadcast_object((start["state"], start["split"]) if rank == 0 else None)
-        split = TrainSplit(shares["mini_batch_size"], shares["dp"], tuple(shares["dp_rank_of"]))
-        loader = parts.loader
-        if state is not None:
-            loader.load_state_dict(state)
-        if rank == 0:
-            batches.broadcast_object({"weight_format": parts.engine.weight_format, "batch": loader.version}, src=0)
-        receiver = WeightReceiver(weights, src=world)
-        RolloutController(cfg, loader, parts.engine, batches, receiver, comm, parts.evaluator, split).run()
+        serve(cfg, parts.loader, parts.engine, parts.evaluator, batches, WeightReceiver(weights, src=world), comm)
     finally:
         if parts is not None:
             parts.close()
+
+
+def serve(
+    cfg: Config,
+    loader: DynamicSamplingLoader,
+    engine: VLLMEngine,
+    evaluator: Evaluator,
+    batches: Optional[TransportGroup],
+    receiver: WeightReceiver,
+    comm: Comm,
+) -> None:
+    """The start (the loader state to resume from and the TrainSplit from train rank 0; the engine's weight format and
+    the next batch's index back), then the controller until the train side says stop. batches: rank 0's (None
+    elsewhere)."""
+    start = _expect(batches.broadcast_object(None, src=1), "start") if batches is not None else None
+    state, shares = comm.broadcast_object((start["state"], start["split"]) if start is not None else None)
+    split = TrainSplit(shares["mini_batch_size"], shares["dp"], tuple(shares["dp_rank_of"]))
+    if state is not None:
+        loader.load_state_dict(state)
+    if batches is not None:
+        batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
+    RolloutController(cfg, loader, engine, batches, receiver, comm, evaluator, split).run()
 
 
 def _expect(msg: Any, *cmds: str) -> dict:
