@@ -10,12 +10,19 @@ gets the same numbers.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 from megatron_dapo.model.collectives import all_gather_objects, broadcast_object
 from megatron_dapo.reward import RewardBatch
 from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.types import Prompt, Response
+
+
+class Scorer(Protocol):
+    """What scores held-out responses (megatron_dapo.reward.RewardPool is one)."""
+
+    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch: ...
 
 
 class ShardedScorer:
@@ -28,7 +35,7 @@ class ShardedScorer:
 
     COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")
 
-    def __init__(self, pool: Any, rank: int, world: int) -> None:
+    def __init__(self, pool: Scorer, rank: int, world: int) -> None:
         self.pool, self.rank, self.world = pool, rank, world
 
     def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
@@ -55,7 +62,14 @@ class HeldOutEval:
     """
 
     def __init__(
-        self, engine: Any, pool: Any, rank: int, world: int, tp: int, seed: int, stop_token_ids: list[int]
+        self,
+        engine: RolloutEngine,
+        pool: Scorer,
+        rank: int,
+        world: int,
+        tp: int,
+        seed: int,
+        stop_token_ids: list[int],
     ) -> None:
         self.engine, self.scorer = engine, ShardedScorer(pool, rank, world)
         self.engine_id, self.num_engines, self.tp = rank // tp, world // tp, tp
