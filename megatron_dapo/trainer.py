@@ -195,7 +195,7 @@ class Trainer:
         self.rollout = build(
             cfg, self.tokenizer, self.dataset, self.comm, self.split, self.bridge, self.step, loader_state
         )
-        arm_group_timeouts(timeout_s)  # the last groups are the engine's (vLLM makes them with torch's default)
+        arm_group_timeouts(timeout_s)  # every group of this process, published for the watchdog's records
 
     # ---------------------------------------------------------------- one step
 

@@ -99,11 +99,14 @@ class ColocatedRollout:
         comm: Comm,
         split: TrainSplit,
     ) -> None:
+        from megatron_dapo.model.parallel import arm_group_timeouts
         from megatron_dapo.rollout.vllm_env import rollout_tp
 
         self.comm, self.split = comm, split
         self.tp = rollout_tp(cfg)
         self.parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
+        # the engine's groups (vLLM makes them with torch's default) before the first sync runs over them
+        arm_group_timeouts(cfg.trainer.collective_timeout_s)
         self.route_shape = route_shape(cfg, dataset)
         self.parts.engine.show_progress = cfg.trainer.progress_bar and comm.rank == 0
         self.version: Optional[int] = None  # the engine's weights (None: the dummy ones it started with)
