@@ -103,7 +103,9 @@ def test_the_train_ranks_get_their_shares_and_evaluations_of_chosen_prompts_and_
     weights last sent (Trainer.evaluate's) both run on the rollout side, on the weights they ask about, whether their
     result is read at once or only after the next sync; at eta = 0 each batch is collected with the weights that
     train it."""
-    cfg = load_config(None, ["sampler.max_staleness=0", f"trainer.collective_timeout_s={TIMEOUT_S}"])
+    cfg = load_config(
+        None, ["sampler.max_staleness=0", f"trainer.collective_timeout_s={TIMEOUT_S}", "trainer.stall_timeout_s=20"]
+    )
     port, split = _two_free_ports(), TrainSplit(mini_batch_size=8, dp=2, dp_rank_of=(0, 1))
     transport = Transport("127.0.0.1", port, train_procs=2)
     loader, engine = StandInLoader(), StandInEngine()
