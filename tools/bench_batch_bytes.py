@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"before (every response to every train rank): {before:,} bytes per train rank per step")
     print(f"after (each train rank its share):           {max(after):,} bytes at most, {min(after):,} at least")
-    print(f"ratio before / after (the largest):           {before / max(after):.2f} (DP = {dp})")
+    mean = sum(after) / len(after)
+    print(
+        f"ratio before / after: {before / mean:.2f} on average, {before / max(after):.2f} for the largest (DP = {dp})"
+    )
     print(f"every train rank together: before {before * args.train_ranks:,}, after {sum(after):,} bytes")
     if args.check:
         whole = len(safe_pickle.dumps({"groups": groups, "responses": dict(responses), "stats": stats, "state": None}))
