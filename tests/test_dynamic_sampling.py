@@ -712,6 +712,8 @@ def test_a_driver_sets_the_weights_and_serves_between_the_ticks(pool):
         @staticmethod
         def between_ticks() -> None:
             seen.append((ds.version, ds.sampling_version, ds.scheduler.untrained_batches))
+            # at once: a wrong count could stall admission, and the step with it
+            assert seen[-1] == (ds.version, held[0], ds.version - held[0]), seen[-1]
 
     batches = [ds.next_batch(Driver) for _ in range(3)]
     assert len(seen) == sum(b.stats["sampler/ticks"] for b in batches) > 0
