@@ -205,15 +205,16 @@ class Trainer:
         mine = self.split.minibatches(batch.groups, self.layout.dp_rank)
         responses, sent = self.rollout.responses(batch)
         missing = [sid for ids in mine for sid in ids if sid not in responses]
-        if missing:
+        sent, lost = self.comm.sum([sent, len(missing)])  # every rank stops on a rank's missing share
+        if lost:
             raise RuntimeError(
-                f"step {self.step + 1}: the rollout side delivered no response for {len(missing)} of the "
-                f"{sum(map(len, mine))} this rank trains (first: group {missing[0][0]}, sample {missing[0][1]}): "
-                "Rollout.responses must cover the rank's share (TrainSplit.wanted_by)"
+                f"step {self.step + 1}: the rollout side delivered no response for {int(lost)} of those the train "
+                f"ranks train (this rank: {len(missing)} of its {sum(map(len, mine))}): Rollout.responses must cover "
+                "each rank's share (TrainSplit.wanted_by)"
             )
         overlong, r3 = self.cfg.algorithm.overlong_filter, self.replay == "r3"
         slices = [train_samples(batch.groups, ids, responses, self.dataset, overlong, r3) for ids in mine]
-        return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
+        return slices, [sid for ids in mine for sid in ids], sent
 
     def _sum_once(self, total: torch.Tensor) -> torch.Tensor:
         """[n] float64 held by the ranks that count (zeros elsewhere: each DP replica's data counted once) -> the sum

@@ -208,8 +208,11 @@ def test_the_loop_drives_a_stand_in_rollout_through_its_protocol(tiny_qwen2, tmp
     assert "eval/avg_at_k" not in steps[0] and steps[1]["eval/avg_at_k"] == 0.2 and steps[1]["eval/k"] == 3.0
     assert got["chosen"] == {"eval/avg_at_k": 0.2, "eval/k": 2.0}
     assert got["loader"] == {"scheduler": {"stand_in": 3}, "finished": {}, "partial": {}}
-    assert "the rollout side delivered no response for 1 of the 16 this rank trains" in got["error"]
-    assert "Rollout.responses must cover the rank's share" in got["error"]
+    assert (
+        "the rollout side delivered no response for 1 of those the train ranks train (this rank: 1 of its 16)"
+        in (got["error"])
+    )
+    assert "Rollout.responses must cover each rank's share" in got["error"]
 
 
 def test_the_controller_sends_each_train_rank_only_the_responses_it_trains():
