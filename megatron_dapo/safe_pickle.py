@@ -34,7 +34,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
     # torch tensors: the storage's bytes are read by torch's weights-only loader (_storage_from_bytes)
     | {("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes")}
     # the project's records
-    | {("megatron_dapo.types", n) for n in ("Prompt", "Response", "Group")}
+    | {("megatron_dapo.types", n) for n in ("Prompt", "Response", "Group", "EvalRequest")}
     | {("megatron_dapo.sampling.records", n) for n in ("GroupMeta", "Paused", "Stopped", "Submission")}
     | {("megatron_dapo.reward.tickets", "RewardBatch")}
 )

@@ -242,9 +242,9 @@ def _train(cfg: Config, stop: StopSignals) -> None:
         t_start = time.perf_counter()
         while trainer.step < cfg.trainer.total_steps:
             metrics = trainer.train_step()
-            if trainer.eval_due():
+            if trainer.evaluation is not None:  # the step's sync asked for one (eval.every)
                 with progress.phase("evaluate"):
-                    metrics.update(trainer.evaluate_from_config())
+                    metrics.update(trainer.evaluation.result())
             # wall time since this process's first step began, its evaluations included (time to an accuracy)
             metrics["timing/elapsed"] = time.perf_counter() - t_start
             if rank0:

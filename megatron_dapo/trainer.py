@@ -19,7 +19,9 @@ the data-parallel replica that trains it (sampling/exchange.py). Each data-paral
 slice of every mini-batch (the policy's token-mean normaliser and metrics are global), and every
 rank's bridge streams the full weights into its own engine. All of that is the colocated `Rollout`
 (placement/colocated.py); with pipeline.mode=async the same loop runs against the remote one (placement/remote.py: the
-engines, loader and evaluator in the rollout processes), with no branch here on the mode.
+engines, loader and evaluator in the rollout processes), with no branch here on the mode. The loop knows the rollout
+side only through the `Rollout` protocol (placement/protocol.py): tests/test_trainer_loop.py drives it against a
+stand-in.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.policy import TrainSample
-from megatron_dapo.placement.protocol import Rollout
+from megatron_dapo.placement.evaluation import Evaluation, held_out_request
+from megatron_dapo.placement.protocol import Rollout, RolloutFactory
+from megatron_dapo.placement.split import TrainSplit
 from megatron_dapo.sampling.exchange import SampleId
 from megatron_dapo.sampling.loader import StepBatch
 from megatron_dapo.sampling.records import GroupMeta
 from megatron_dapo.timing import PhaseTimer
-from megatron_dapo.types import Prompt, Response
+from megatron_dapo.types import EvalRequest, Prompt, Response
 
 log = logging.getLogger("megatron_dapo.trainer")
 
@@ -116,34 +120,22 @@ def batch_rewards(batch: list[GroupMeta]) -> torch.Tensor:
     return torch.tensor([g.rewards for g in batch], dtype=torch.float64)
 
 
-def minibatch_ids(batch: list[GroupMeta], mini_batch_size: int, dp: int, dp_rank: int) -> list[list[SampleId]]:
-    """The (key, j) of every response data-parallel rank dp_rank trains, per mini-batch.
-
-    Responses are taken in batch order (group by group, sample by sample); each mini-batch of
-    mini_batch_size is split into dp equal contiguous shares (check_distributed guarantees they are equal).
-    """
-    flat = [(g.key, j) for g in batch for j in range(len(g.lengths))]
-    slices = []
-    for start in range(0, len(flat), mini_batch_size):
-        part = flat[start : start + mini_batch_size]
-        share = len(part) // dp
-        slices.append(part[dp_rank * share : (dp_rank + 1) * share])
-    return slices
-
-
 class Trainer:
-    """Builds every component from the config and runs rollout steps."""
+    """Builds every component from the config and runs rollout steps. make_rollout: what builds the rollout side
+    (default: placement/protocol.py's, by pipeline.mode)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, make_rollout: Optional[RolloutFactory] = None) -> None:
         self.rollout: Optional[Rollout] = None  # the engines' side, in either pipeline.mode (placement/protocol.py)
+        self.evaluation: Optional[Evaluation] = None
+        """The evaluation the last train_step asked for (eval_due), None if none: result() gives its metrics."""
         try:
-            self._build(cfg)
+            self._build(cfg, make_rollout)
         except BaseException:  # a bad checkpoint or a signal at start-up: stop what already started, then raise
             self.close()
             raise
         gc_tuning.start_up_done()
 
-    def _build(self, cfg: Config) -> None:
+    def _build(self, cfg: Config, make_rollout: Optional[RolloutFactory]) -> None:
         from transformers import AutoTokenizer
 
         from megatron_dapo.convert.safetensors_io import LazyMegatronWeights, SafetensorsReader
@@ -152,7 +144,7 @@ class Trainer:
         from megatron_dapo.model.parallel import arm_group_timeouts, init_parallel
         from megatron_dapo.model.policy import MegatronPolicy
         from megatron_dapo.model.provider import weights_digest
-        from megatron_dapo.placement.protocol import make_rollout
+        from megatron_dapo.placement.protocol import make_rollout as default_rollout
         from megatron_dapo.rollout.vllm_env import rollout_tp
         from megatron_dapo.rollout.weight_bridge import WeightBridge
 
@@ -189,34 +181,42 @@ class Trainer:
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         # every rank's data-parallel rank: senders and receivers of rollout data agree on who trains what
         dp_rank = torch.tensor([self.layout.dp_rank], dtype=torch.int64, device=self.comm.device)
-        self.dp_rank_of = [int(r) for r in self.comm.all_gather(dp_rank, "world")]
-        self.rollout = make_rollout(cfg, self.tokenizer, self.dataset, self.comm)
-        arm_group_timeouts(timeout_s)  # the last groups are the engine's (vLLM makes them with torch's default)
-        self.step = 0
-        self.gen_rounds = 0
-        self.nan_in_a_row = 0
+        dp_rank_of = tuple(int(r) for r in self.comm.all_gather(dp_rank, "world"))
+        self.split = TrainSplit(cfg.optim.mini_batch_size, self.layout.dp, dp_rank_of)
+        self.step = self.gen_rounds = self.nan_in_a_row = 0
+        loader_state = None
         if resumed is not None:
-            self.step = resumed["step"]
-            self.load_state_dict(resumed["trainer"])
+            state = resumed["trainer"]
+            self._check_reference(state)
+            self.step, self.gen_rounds, self.nan_in_a_row = resumed["step"], state["gen_rounds"], state["nan_in_a_row"]
+            loader_state = state["loader"]
             if self.layout.rank == 0:
                 log.info("resumed from step %d (%s)", self.step, self.checkpoints.root)
-        self.rollout.start()  # async: the controller loads the loader state, if any, and serves from it
-        self.rollout.sync(self.bridge, self.step)  # the engines started from dummy weights
+        # ready when built: the loader resumed, the engines (started from dummy weights) holding the policy's
+        build = make_rollout or default_rollout
+        self.rollout = build(
+            cfg, self.tokenizer, self.dataset, self.comm, self.split, self.bridge, self.step, loader_state
+        )
+        arm_group_timeouts(timeout_s)  # every group of this process, published for the watchdog's records
 
     # ---------------------------------------------------------------- one step
 
     def _samples(self, batch: StepBatch) -> tuple[list[list[TrainSample]], list[SampleId], float]:
         """This rank's TrainSamples per mini-batch (advantages not yet assigned), its responses fetched from where
         they were generated; their ids in the same order, flat; bytes sent over the world."""
-        size, dp = self.cfg.optim.mini_batch_size, self.layout.dp
-        per_dp = {d: minibatch_ids(batch.groups, size, dp, d) for d in range(dp)}
-        mine = per_dp[self.layout.dp_rank]
-        responses, sent = self.rollout.responses(
-            batch, wanted_by=lambda rank: [sid for mb in per_dp[self.dp_rank_of[rank]] for sid in mb]
-        )
+        mine = self.split.minibatches(batch.groups, self.layout.dp_rank)
+        responses, sent = self.rollout.responses(batch)
+        missing = [sid for ids in mine for sid in ids if sid not in responses]
+        sent, lost = self.comm.sum([sent, len(missing)])  # every rank stops on a rank's missing share
+        if lost:
+            raise RuntimeError(
+                f"step {self.step + 1}: the rollout side delivered no response for {int(lost)} of those the train "
+                f"ranks train (this rank: {len(missing)} of its {sum(map(len, mine))}): Rollout.responses must cover "
+                "each rank's share (TrainSplit.wanted_by)"
+            )
         overlong, r3 = self.cfg.algorithm.overlong_filter, self.replay == "r3"
         slices = [train_samples(batch.groups, ids, responses, self.dataset, overlong, r3) for ids in mine]
-        return slices, [sid for ids in mine for sid in ids], self.comm.sum([sent])[0]
+        return slices, [sid for ids in mine for sid in ids], sent
 
     def _sum_once(self, total: torch.Tensor) -> torch.Tensor:
         """[n] float64 on the last stage (its TP and CP ranks hold the same numbers: the logprobs are whole there) ->
@@ -293,12 +293,14 @@ class Trainer:
                     f"(trainer.max_nan_in_a_row={cfg.trainer.max_nan_in_a_row}); the last good checkpoint is in "
                     f"{self.checkpoints.root}"
                 )
-        with timer.phase("sync"):  # the weights that train batch step + 1
-            sync = self.rollout.sync(self.bridge, self.step + 1, self.eval_due(self.step + 1))
+        with timer.phase("sync"):  # the weights that train batch step + 1, evaluated when eval.every says so
+            request = held_out_request(cfg) if self.eval_due(self.step + 1) else None
+            synced = self.rollout.sync(self.bridge, self.step + 1, request)
         self.step += 1
+        self.evaluation = synced.evaluation
         metrics = dict(batch.stats)
         metrics.update(_mean_metrics(per_update))
-        metrics.update(sync)
+        metrics.update(synced.metrics)
         metrics.update(mismatch)
         metrics.update(kl)
         tokens = sum(g.tokens for g in batch.groups)
@@ -326,13 +328,11 @@ class Trainer:
         top_p: float = 1.0,
         max_tokens: int | None = None,
     ) -> dict[str, float]:
-        """avg@k and pass@k on prompts with the engines' current weights, scored by the reward pool (HeldOutEval).
-        Defaults: one greedy sample, responses up to rollout.max_response_length. Collective over the world."""
-        return self.rollout.evaluate(prompts, k, temperature, top_p, max_tokens or self.cfg.rollout.max_response_length)
-
-    def evaluate_from_config(self) -> dict[str, float]:
-        """The eval section's evaluation on data.val_files of the weights last synced (Rollout.held_out)."""
-        return self.rollout.held_out()
+        """avg@k and pass@k on prompts with the weights last synced, scored by the reward pool (HeldOutEval), in
+        either pipeline.mode. Defaults: one greedy sample, responses up to rollout.max_response_length. Collective
+        over the world."""
+        max_tokens = max_tokens or self.cfg.rollout.max_response_length
+        return self.rollout.evaluate(EvalRequest(k, temperature, top_p, max_tokens, prompts=list(prompts))).result()
 
     # ---------------------------------------------------------------- checkpoints and cadence
 
@@ -344,11 +344,6 @@ class Trainer:
             "loader": self.rollout.state_dict(),
             "reference_digest": self.reference_digest,
         }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_reference(state)
-        self.gen_rounds, self.nan_in_a_row = state["gen_rounds"], state["nan_in_a_row"]
-        self.rollout.load_state_dict(state["loader"])
 
     def _check_reference(self, state: Optional[dict[str, Any]]) -> None:
         """A checkpoint's trainer state trained against other reference weights than model.hf_path's: ConfigError.

@@ -79,3 +79,16 @@ class Group:
             rewards=list(d["rewards"]),
             meta=dict(d.get("meta", {})),
         )
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """An evaluation to run on the rollout engines: avg@k and pass@k of k samples per prompt at temperature and top_p,
+    responses up to max_tokens."""
+
+    k: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    prompts: Optional[list[Prompt]] = None
+    """The problems; None: the validation set (data.val_files), which the side that evaluates loads once."""

@@ -263,7 +263,7 @@ def test_state_save_restore_mid_epoch(pool, mode):
 
 def test_a_state_merged_over_ranks_loads_as_each_rank_s_share(pool):
     """The asynchronous rollout side's ranks each hold their own engine's groups; the state the controller hands the
-    train side is their merge (one rank's shape), and each rank loading it keeps exactly its own share: the shares
+    train side is their merge (the shape of one rank's), and each rank loading it keeps exactly its own share: the shares
     merge back into the whole, and resumed they take the steps the uninterrupted loader takes."""
     script = correct_first(lambda i: [0, 1, 2, 4][i % 4], length=lambda i, j: 1 + (i * 7 + j * 3) % 13)
     kw = dict(partial_rollout=True, mode="stream", train_batch_size=4, gen_batch_size=3, seed=7)
@@ -282,14 +282,12 @@ def test_a_state_merged_over_ranks_loads_as_each_rank_s_share(pool):
     shares = []
     for e in (0, 1):
         rank = two_engines(owned={e})
-        with pytest.raises(ValueError, match="do not belong together"):
-            rank.load_state_dict(state)  # a rank's own state must hold exactly its groups
-        rank.load_state_dict(state, merged=True)
-        assert set(rank.partial) == held[e]
+        rank.load_state_dict(state)
+        assert set(rank.partial) == held[e]  # its own groups, not the other rank's
         shares.append(rank.state_dict())
     assert same_state(DynamicSamplingLoader.merge_states(shares), state)
     resumed = two_engines()
-    resumed.load_state_dict(DynamicSamplingLoader.merge_states(shares), merged=True)
+    resumed.load_state_dict(DynamicSamplingLoader.merge_states(shares))
     a, b = whole.next_batch(), resumed.next_batch()
     assert [(g.index, g.lengths, g.version_tokens) for g in a.groups] == [
         (g.index, g.lengths, g.version_tokens) for g in b.groups
@@ -481,6 +479,19 @@ def long_tailed(p: int, j: int, seed: int) -> tuple[int, bool]:
     return length, r.random() < (0.7 if length < 20 else 0.3)
 
 
+class FixedWeights:
+    """A TickDriver whose engines hold weights `version` throughout the step."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def weights(self) -> int:
+        return self.version
+
+    def between_ticks(self) -> None:
+        pass
+
+
 def lagging_weights(ds, eta: int, train_ticks: int = 3):
     """Drive `ds` as the rollout controller does at eta (pipeline.mode=async), deterministically: batch k is collected
     while the batches before it train, starting with the weights of version k - eta (the slowest trainer admission
@@ -488,20 +499,20 @@ def lagging_weights(ds, eta: int, train_ticks: int = 3):
     handed out and not trained (untrained_batches). Returns next_batch()."""
     ticks = [0]
 
-    def land() -> None:
-        k = ds.version
-        ds.weights_updated(min(k, max(0, k - eta + ticks[0] // train_ticks)))
+    class Lagging:  # the loader's TickDriver
+        @staticmethod
+        def weights() -> int:
+            k = ds.version
+            return min(k, max(0, k - eta + ticks[0] // train_ticks))
 
-    def between_ticks() -> None:
-        ticks[0] += 1
-        land()
+        @staticmethod
+        def between_ticks() -> None:
+            ticks[0] += 1
 
     def next_batch():
         ticks[0] = 0
-        land()
-        return ds.next_batch()
+        return ds.next_batch(Lagging)
 
-    ds.run_between_ticks(between_ticks)
     return next_batch
 
 
@@ -685,20 +696,40 @@ def _short_and_long_partial(pool, max_staleness: int):
     return loader(make_dataset(50), engine, pool, max_staleness=max_staleness, **kw)
 
 
-def test_the_controller_sets_the_weights_and_the_between_ticks_service_through_the_loader(pool):
-    """What the asynchronous controller tells the loader (placement/controller.py): weights_updated(v) tags later
-    tokens with v and counts the batches collected and not trained for admission; run_between_ticks(f) calls f
-    after every tick."""
+def test_a_driver_sets_the_weights_and_serves_between_the_ticks(pool):
+    """What the asynchronous controller drives the loader with (placement/controller.py, a TickDriver): its weights()
+    before the step and after every tick tag the tokens sampled from then on and count the batches collected and
+    not trained for admission; its between_ticks() runs after every tick. Without a driver (colocated) the tag is the
+    batch count."""
     ds = _short_and_long_partial(pool, max_staleness=2)
-    assert ds.sampling_version == 0 and ds.scheduler.untrained_batches == 0
-    ticks = []
-    ds.run_between_ticks(lambda: ticks.append(ds.version))
-    batches = [ds.next_batch() for _ in range(3)]
-    assert len(ticks) == sum(b.stats["sampler/ticks"] for b in batches) > 0
-    ds.weights_updated(1)  # three batches handed out, the first trained
-    assert ds.sampling_version == 1 and ds.scheduler.untrained_batches == 2
-    ds.weights_updated(3)
-    assert ds.sampling_version == 3 and ds.scheduler.untrained_batches == 0
+    seen, held = [], [0]
+
+    class Driver:
+        @staticmethod
+        def weights() -> int:
+            return held[0]
+
+        @staticmethod
+        def between_ticks() -> None:
+            seen.append((ds.version, ds.sampling_version, ds.scheduler.untrained_batches))
+            # at once: a wrong count could stall admission, and the step with it
+            assert seen[-1] == (ds.version, held[0], ds.version - held[0]), seen[-1]
+
+    batches = [ds.next_batch(Driver) for _ in range(3)]
+    assert len(seen) == sum(b.stats["sampler/ticks"] for b in batches) > 0
+    assert {v for _, v, _ in seen} == {0} and {(k, u) for k, _, u in seen} == {(0, 0), (1, 1), (2, 2)}
+    held[0] = 1  # three batches handed out, the first trained
+    seen.clear()
+    tagged = ds.next_batch(Driver)
+    assert set(seen) == {(3, 1, 2)}
+    fresh = [g for g in tagged.groups if g.finished_in == 3]
+    assert fresh and all(r.versions[-1] == 1 for g in fresh for r in tagged.local[g.key])
+    held[0] = 4
+    seen.clear()
+    ds.next_batch(Driver)
+    assert set(seen) == {(4, 4, 0)}
+    ds.next_batch()
+    assert ds.sampling_version == 5
 
 
 def test_paused_groups_continue_with_their_tokens_and_versions(pool):
@@ -720,14 +751,13 @@ def test_paused_groups_continue_with_their_tokens_and_versions(pool):
 
 
 def test_async_tokens_are_tagged_by_the_weights_and_counted_by_the_step_that_made_them(pool):
-    """Asynchronous DAPO (the rollout controller sets weights_version): the engines' weights lag the batch count by
+    """Asynchronous DAPO (the rollout controller's weights() drive the tag): the engines' weights lag the batch count by
     one, so every token generated for batch k is tagged k - 1 and trained one version stale, while the step's token
     counts still go by the step that generated a token (a count by version would find none of batch k's tokens)."""
     ds = _short_and_long_partial(pool, max_staleness=1)
     parts = ("trained", "wasted", "carried", "paused", "uninformative")
     for k in range(4):
-        ds.weights_version = max(0, k - 1)  # what the controller holds while it collects batch k at eta = 1
-        b = ds.next_batch()
+        b = ds.next_batch(FixedWeights(max(0, k - 1)))  # what the controller holds while it collects batch k at eta = 1
         st = b.stats
         assert st["tokens/generated"] == sum(st[f"tokens/{p}"] for p in parts) > 0
         fresh = [g for g in b.groups if g.finished_in == k]  # the rest were carried in from an earlier step

@@ -57,3 +57,28 @@ def test_evaluate_is_avg_and_pass_at_k_over_the_batches():
     assert got == {"eval/avg_at_k": 5 / 15, "eval/pass_at_k": 3 / 5, "eval/k": 3.0, "eval/problems": 5.0}
     with pytest.raises(ValueError, match="no prompts"):
         held_out.evaluate([], 3, 1.0, 1.0, 8)
+
+
+def test_an_evaluator_runs_requests_on_chosen_prompts_or_the_validation_set_loaded_once():
+    """What either rollout side runs an EvalRequest with (placement/evaluation.py): the request's k, temperature and
+    length on its prompts, or on the validation set (prompts=None), which is loaded the first time it is asked for."""
+    from megatron_dapo.placement.evaluation import Evaluator
+    from megatron_dapo.types import EvalRequest
+
+    engine, loads = SeedEngine(), []
+
+    def val() -> list[Prompt]:
+        loads.append(1)
+        return prompts(5)
+
+    evaluator = Evaluator(HeldOutEval(engine, EvenScorer(), Comm(), tp=1, seed=100, stop_token_ids=[0]), val)
+    assert evaluator.run(EvalRequest(k=2, temperature=0.0, top_p=1.0, max_tokens=8, prompts=prompts(2))) == {
+        "eval/avg_at_k": 0.25,  # 1 of 4: problem 1 (seeds 102, 103) once; problem 0 never
+        "eval/pass_at_k": 0.5,
+        "eval/k": 2.0,
+        "eval/problems": 2.0,
+    }
+    assert loads == []
+    held_out = EvalRequest(k=3, temperature=1.0, top_p=1.0, max_tokens=8)
+    want = {"eval/avg_at_k": 5 / 15, "eval/pass_at_k": 3 / 5, "eval/k": 3.0, "eval/problems": 5.0}
+    assert evaluator.run(held_out) == want and evaluator.run(held_out) == want and loads == [1]

@@ -23,8 +23,9 @@ from run_helpers import comparable, metrics, python_path, run_train, same_up_to_
 from megatron_dapo.algorithm.advantages import group_advantages
 from megatron_dapo.convert.resolve import read_rank_state
 from megatron_dapo.launch.watchdog import read_records
+from megatron_dapo.placement.split import minibatch_ids
 from megatron_dapo.sampling.records import GroupMeta
-from megatron_dapo.trainer import assign_advantages, batch_rewards, minibatch_ids, train_samples
+from megatron_dapo.trainer import assign_advantages, batch_rewards, train_samples
 from megatron_dapo.types import Prompt, Response
 
 

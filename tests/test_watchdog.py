@@ -232,7 +232,11 @@ def test_the_waits_between_the_asynchronous_sides_end_at_the_collective_timeout(
     assert "did not hand over batch 7 within trainer.collective_timeout_s=0.3 s" in str(error)
     served = []  # the train side asks for something once, then nothing: the deadline counts from its last ask
     rollout = SimpleNamespace(
-        timeout_s=0.3, POLL_S=0.01, served=4, weights=3, _service=lambda boundary: not served and not served.append(1)
+        timeout_s=0.3,
+        POLL_S=0.01,
+        served=4,
+        weights_version=3,
+        _service=lambda boundary: not served and not served.append(1),
     )
     error, took = _ends(lambda: RolloutController._wait(rollout, lambda: False))
     assert isinstance(error, TimeoutError) and 0.3 <= took < 5 and served == [1]

@@ -7,26 +7,36 @@ the asynchronous rollout processes (controller.py) alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from megatron_dapo.config import Config
 from megatron_dapo.model.comm import Comm
+from megatron_dapo.placement.evaluation import Evaluation, Evaluator, Synced
+from megatron_dapo.placement.split import TrainSplit
+from megatron_dapo.rollout.engine import WeightSource
 from megatron_dapo.rollout.held_out import HeldOutEval
 from megatron_dapo.sampling.exchange import RouteShape, SampleId, deliver
-from megatron_dapo.sampling.loader import DynamicSamplingLoader, StepBatch
-from megatron_dapo.types import Prompt, Response
+from megatron_dapo.sampling.loader import DynamicSamplingLoader, LoaderState, StepBatch
+from megatron_dapo.types import EvalRequest, Prompt, Response
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_dapo.reward import RewardPool
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
 
 @dataclass
 class RolloutParts:
     """What generates on one rank: its engine (a share of one: rollout.tp ranks drive it), the reward pool, the
-    held-out evaluator and the dynamic-sampling loader over them."""
+    evaluator and the dynamic-sampling loader over them."""
 
-    engine: Any
-    pool: Any
-    held_out: HeldOutEval
+    engine: VLLMEngine
+    pool: RewardPool
+    evaluator: Evaluator
     loader: DynamicSamplingLoader
 
     def close(self) -> None:
@@ -36,12 +46,17 @@ class RolloutParts:
 
 
 def build_rollout_parts(
-    cfg: Config, tokenizer: Any, dataset: Any, comm: Comm, enable_sleep_mode: Optional[bool] = None
+    cfg: Config,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Sequence[Prompt],
+    comm: Comm,
+    enable_sleep_mode: Optional[bool] = None,
 ) -> RolloutParts:
     """Engine, pool, evaluator and loader for rank comm.rank of a world of comm.world ranks, one engine per
     rollout.tp consecutive ranks (vLLM groups them so), its first rank owning the engine's groups. The engine starts
     from dummy weights (the first sync loads the policy's); enable_sleep_mode None: vLLM's default here (on GPU).
     What started is closed if a later part fails."""
+    from megatron_dapo.data.datasets import PromptDataset
     from megatron_dapo.reward import RewardPool
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.vllm_env import rollout_tp
@@ -67,75 +82,112 @@ def build_rollout_parts(
     )
     # evaluation; training rollouts are scored by their engine's rank
     held_out = HeldOutEval(engine, pool, comm, tp, cfg.seed, stop)
-    return RolloutParts(engine, pool, held_out, loader)
+    evaluator = Evaluator(held_out, lambda: list(PromptDataset.from_config(cfg.data, tokenizer, split="val")))
+    return RolloutParts(engine, pool, evaluator, loader)
 
 
 class ColocatedRollout:
     """The engines in the train processes (pipeline.mode=colocated): each rank drives its engine share and loader;
     the engine sleeps while the policy trains and wakes with the new weights. A batch's responses move to the ranks
-    that train them (exchange.deliver)."""
+    that train them (exchange.deliver). An evaluation asked for with a sync runs at its result() or before the next
+    batch, whichever comes first; one asked for with evaluate() runs at once."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: PreTrainedTokenizerBase,
+        dataset: Sequence[Prompt],
+        comm: Comm,
+        split: TrainSplit,
+    ) -> None:
+        from megatron_dapo.model.parallel import arm_group_timeouts
         from megatron_dapo.rollout.vllm_env import rollout_tp
 
-        self.cfg, self.tokenizer, self.comm = cfg, tokenizer, comm
+        self.comm, self.split = comm, split
         self.tp = rollout_tp(cfg)
         self.parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
+        # the engine's groups (vLLM makes them with torch's default) before the first sync runs over them
+        arm_group_timeouts(cfg.trainer.collective_timeout_s)
         self.route_shape = route_shape(cfg, dataset)
         self.parts.engine.show_progress = cfg.trainer.progress_bar and comm.rank == 0
-        self._val_prompts: Optional[list[Prompt]] = None
+        self.version: Optional[int] = None  # the engine's weights (None: the dummy ones it started with)
+        self.asleep = False
+        self.pending: list[Evaluation] = []  # asked for with a sync, not run yet
 
-    def start(self) -> None:
-        """Nothing to hand over: the loader is this process's."""
+    def start(self, state: Optional[LoaderState], weights: WeightSource, version: int) -> None:
+        """The loader resumes from state (None: a fresh run); the engine takes the first weights. A rank without one
+        takes rank 0's: an asynchronous run's checkpoint holds the whole state on train rank 0 only."""
+        first = self.comm.broadcast_object(state if self.comm.rank == 0 else None)
+        state = first if state is None else state
+        if state is not None:
+            self.parts.loader.load_state_dict(state)
+        self.sync(weights, version)
 
     def next_batch(self) -> StepBatch:
+        self._settle()
         batch = self.parts.loader.next_batch()
         self.parts.engine.sleep()  # GPU: free the KV cache and offload vLLM's weights while Megatron trains
+        self.asleep = True
         return batch
 
-    def responses(
-        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
-    ) -> tuple[dict[SampleId, Response], float]:
+    def responses(self, batch: StepBatch) -> tuple[dict[SampleId, Response], float]:
         return deliver(
             self.comm,
             batch.groups,
             batch.local,
             owner_rank=lambda g: g.engine * self.tp,  # an engine's first rank holds its groups
-            wanted_by=wanted_by,
+            wanted_by=self.split.wanted_by(batch.groups),
             routes=None if self.route_shape is None else self.route_shape(batch),
         )
 
-    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
+    def sync(self, weights: WeightSource, version: int, evaluate: Optional[EvalRequest] = None) -> Synced:
         """The weights into this rank's engine (a sleeping engine wakes its weights for the update), then its KV
-        cache for the next rollout; the evaluation waits for held_out(), in this process."""
-        metrics = bridge.sync(self.parts.engine, version)
+        cache for the next rollout."""
+        self._settle()
+        metrics = weights.sync(self.parts.engine, version)
         self.parts.engine.wake()
-        return metrics
+        self.version, self.asleep = version, False
+        if evaluate is None:
+            return Synced(metrics)
+        evaluation = Evaluation(version, evaluate, lambda _: self._settle())
+        self.pending.append(evaluation)
+        return Synced(metrics, evaluation)
 
-    def evaluate(
-        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
-    ) -> dict[str, float]:
-        return self.parts.held_out.evaluate(prompts, k, temperature, top_p, max_tokens)
+    def evaluate(self, request: EvalRequest) -> Evaluation:
+        self._settle()
+        evaluation = Evaluation(self._synced(), request, lambda _: None)
+        evaluation.resolve(self._run(request))
+        return evaluation
 
-    def held_out(self) -> dict[str, float]:
-        from megatron_dapo.data.datasets import PromptDataset
+    def _settle(self) -> None:
+        """Run every evaluation asked for with a sync, on the weights it asked for (the engine's until the next)."""
+        while self.pending:
+            self.pending[0].resolve(self._run(self.pending[0].request))
+            self.pending.pop(0)
 
-        if self._val_prompts is None:
-            self._val_prompts = list(PromptDataset.from_config(self.cfg.data, self.tokenizer, split="val"))
-        e = self.cfg.eval
-        return self.evaluate(self._val_prompts, e.k, e.temperature, e.top_p, self.cfg.eval_response_length())
+    def _run(self, request: EvalRequest) -> dict[str, float]:
+        """request on the engine's weights; an engine asleep (while the policy trains) wakes for it."""
+        if not self.asleep:
+            return self.parts.evaluator.run(request)
+        self.parts.engine.wake()
+        try:
+            return self.parts.evaluator.run(request)
+        finally:
+            self.parts.engine.sleep()
 
-    def state_dict(self) -> dict[str, Any]:
+    def _synced(self) -> int:
+        if self.version is None:
+            raise RuntimeError("evaluate(): the engine holds no weights yet (start() syncs the first)")
+        return self.version
+
+    def state_dict(self) -> LoaderState:
         return self.parts.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.parts.loader.load_state_dict(state)
 
     def close(self) -> None:
         self.parts.close()
 
 
-def route_shape(cfg: Config, dataset: Any) -> Optional[Callable[[StepBatch], RouteShape]]:
+def route_shape(cfg: Config, dataset: Sequence[Prompt]) -> Optional[Callable[[StepBatch], RouteShape]]:
     """batch -> the shape of its responses' routes when the engines capture them (model.router_replay=r3 on a MoE
     model), else None."""
     from megatron_dapo.model.arch import ModelArch

@@ -8,18 +8,21 @@ tick. The train side is Megatron's world (any TP x PP x DP), whose end is remote
 two transport groups hosted by the controller at DAPO_TRANSPORT=host:port (transport.py): batches, whose TCP store
 holds the keys below, and weights.
 
-At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader state to resume from, or None};
-controller -> all {"weight_format": the engine's, "batch": the index of the next batch}. After that neither side
-waits for the other except where it must, each saying in the store what it is ready for:
+At start, two broadcasts: train rank 0 -> all {"cmd": "start", "state": loader state to resume from, or None,
+"split": the TrainSplit}; controller -> all {"weight_format": the engine's, "batch": the index of the next batch}.
+After that neither side waits for the other except where it must, each saying in the store what it is ready for:
 
-    dapo/update = "V T E": train rank 0 is sending update V (V = steps trained; T its clock; E = 1: evaluate it)
-                         over the weights group
-    dapo/want = K:       train rank 0 asks for batch K; every train rank waits until dapo/ready >= K, then receives
-                         it (the groups, every response, stats, the loader's state after it; or {"error": ...})
-    dapo/ready = K:      the controller has collected batches up to K, and broadcasts K once it is wanted
-    dapo/evaluated = V:  the controller has evaluated update V (at the batch boundary after it: no group in
-                         flight) and broadcasts the result; the train ranks wait for it before asking for more
-    dapo/stop:           train rank 0, at the end
+    dapo/update = "V T":   train rank 0 is sending update V (V = steps trained; T its clock) over the weights group
+    dapo/evaluate/N:       the train side's N-th evaluation request (pickled {"version": V, "request": EvalRequest}),
+                           set before the update it asks about is announced
+    dapo/want = K:         train rank 0 asks for batch K; every train rank waits until dapo/ready >= K, then receives
+                           its own reply: the groups and stats, the responses it trains (TrainSplit), and on train
+                           rank 0 the loader's state after the batch; or {"error": ...}
+    dapo/ready = K:        the controller has collected batches up to K, and sends K once it is wanted
+    dapo/evaluated = N:    the controller has run request N (at a batch boundary with the engines holding weights V:
+                           no group in flight) and broadcasts the result; the train ranks receive every result they
+                           asked for before they ask for another batch
+    dapo/stop:             train rank 0, at the end
 
 A key holding what the other side did not expect (an update or a batch out of order) is an error, never a wait.
 
@@ -37,15 +40,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_dapo import progress
+from megatron_dapo import progress, safe_pickle
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.placement.colocated import build_rollout_parts
+from megatron_dapo.placement.evaluation import Evaluator
+from megatron_dapo.placement.split import TrainSplit
 from megatron_dapo.placement.transport import Transport, transport_backend
-from megatron_dapo.sampling.loader import DynamicSamplingError
+from megatron_dapo.sampling.loader import DynamicSamplingError, DynamicSamplingLoader, LoaderState, StepBatch
+from megatron_dapo.types import EvalRequest, Response
+
+if TYPE_CHECKING:
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.weight_transport import TransportGroup, WeightReceiver
 
 log = logging.getLogger("megatron_dapo.placement")
 
@@ -76,22 +87,33 @@ def run_rollout(cfg: Config) -> None:
         # never asleep: the engines here generate while the train side trains
         parts = build_rollout_parts(cfg, tokenizer, dataset, comm, enable_sleep_mode=False)
         arm_group_timeouts(timeout_s)  # the engine's groups too (vLLM makes them with torch's default)
-        held_out = None
-        if cfg.eval.every:
-            held_out = (parts.held_out, list(PromptDataset.from_config(cfg.data, tokenizer, split="val")))
         batches, weights = transport.connect("rollout", rank, world, transport_backend(cfg), timeout_s)
-        start = _expect(batches.broadcast_object(None, src=1), "start") if rank == 0 else None
-        state = comm.broadcast_object(start["state"] if rank == 0 else None)
-        loader = parts.loader
-        if state is not None:
-            loader.load_state_dict(state, merged=True)
-        if rank == 0:
-            batches.broadcast_object({"weight_format": parts.engine.weight_format, "batch": loader.version}, src=0)
-        receiver = WeightReceiver(weights, src=world)
-        RolloutController(cfg, loader, parts.engine, batches, receiver, comm, held_out).run()
+        serve(cfg, parts.loader, parts.engine, parts.evaluator, batches, WeightReceiver(weights, src=world), comm)
     finally:
         if parts is not None:
             parts.close()
+
+
+def serve(
+    cfg: Config,
+    loader: DynamicSamplingLoader,
+    engine: VLLMEngine,
+    evaluator: Evaluator,
+    batches: Optional[TransportGroup],
+    receiver: WeightReceiver,
+    comm: Comm,
+) -> None:
+    """The start (the loader state to resume from and the TrainSplit from train rank 0; the engine's weight format and
+    the next batch's index back), then the controller until the train side says stop. batches: rank 0's (None
+    elsewhere)."""
+    start = _expect(batches.broadcast_object(None, src=1), "start") if batches is not None else None
+    state, shares = comm.broadcast_object((start["state"], start["split"]) if start is not None else None)
+    split = TrainSplit(shares["mini_batch_size"], shares["dp"], tuple(shares["dp_rank_of"]))
+    if state is not None:
+        loader.load_state_dict(state)
+    if batches is not None:
+        batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
+    RolloutController(cfg, loader, engine, batches, receiver, comm, evaluator, split).run()
 
 
 def _expect(msg: Any, *cmds: str) -> dict:
@@ -100,6 +122,22 @@ def _expect(msg: Any, *cmds: str) -> dict:
             f"rollout controller: expected a {' or '.join(cmds)} command from the train side, got {msg!r}"
         )
     return msg
+
+
+def batch_replies(
+    batch: StepBatch, responses: Mapping[int, Sequence[Response]], state: Optional[LoaderState], split: TrainSplit
+) -> Iterator[dict[str, Any]]:
+    """Each train rank's reply for a batch, in train rank order: the groups and stats (every rank), the responses it
+    trains ({(key, j): Response}, split.wanted_by) and, on train rank 0 only, the loader state after the batch (what
+    its checkpoint holds; None elsewhere). responses: every response of the batch by group key."""
+    wanted = split.wanted_by(batch.groups)
+    for rank in range(len(split.dp_rank_of)):
+        yield {
+            "groups": batch.groups,
+            "stats": batch.stats,
+            "responses": {(key, j): responses[key][j] for key, j in wanted(rank)},
+            "state": state if rank == 0 else None,
+        }
 
 
 def _wanted(store: Any) -> Optional[int]:
@@ -116,74 +154,89 @@ class RolloutController:
     as it arrives; what it decides depends on engine ticks and completed batches (the loader's), never on wall time.
 
     Runs on every rollout rank; rank 0 (the controller proper) reads the store and broadcasts its plan over `comm`,
-    so every rank's loader, engine and receiver take the same steps. loader: the DynamicSamplingLoader (its
-    between-ticks service is this controller's). engine: the VLLMEngine it drives. batches: the batches TransportGroup (rank 0; None
-    elsewhere). receiver: a WeightReceiver over the weights group. comm: the rollout side's Comm. held_out:
-    (HeldOutEval, the validation prompts) where eval.every > 0.
+    so every rank's loader, engine and receiver take the same steps. loader: the DynamicSamplingLoader, which it
+    drives (a TickDriver: the weights the engines hold, its service between ticks). engine: the VLLMEngine it
+    drives. batches: the batches TransportGroup (rank 0; None elsewhere). receiver: a WeightReceiver over the weights
+    group. comm: the rollout side's Comm. evaluator: the engines' Evaluator. split: which train rank trains which
+    response (each gets only those).
 
-    An update the train side marks for evaluation is evaluated at the next batch boundary (where no group is in
-    flight: the groups still generating at a batch's end are paused), before anything else is collected; the train
-    side waits for the result (RemoteRollout.held_out), so no later update can land first.
+    An evaluation request runs at the first batch boundary (where no group is in flight: the groups still generating
+    at a batch's end are paused) at which the engines hold the weights it asks about, before anything else is
+    collected; the train side receives the result before it asks for another batch, so no later update can land
+    first.
     """
 
     POLL_S = 0.005
     """How often a controller with nothing to do looks at the store."""
 
     def __init__(
-        self, cfg: Config, loader: Any, engine: Any, batches: Any, receiver: Any, comm: Any, held_out: Any = None
+        self,
+        cfg: Config,
+        loader: DynamicSamplingLoader,
+        engine: VLLMEngine,
+        batches: Optional[TransportGroup],
+        receiver: WeightReceiver,
+        comm: Comm,
+        evaluator: Evaluator,
+        split: TrainSplit,
     ) -> None:
         self.eta = cfg.sampler.max_staleness
-        self.eval_cfg, self.held_out = cfg.eval, held_out  # (HeldOutEval, prompts), or None: eval.every = 0
-        self.eval_tokens = cfg.eval_response_length()
-        self.eval_pending: Optional[int] = None  # the version of an update to evaluate at the next batch boundary
+        self.evaluator, self.split = evaluator, split
+        self.asked = 0  # evaluation requests read from the store (the next one's number)
+        self.evaluations: list[tuple[int, int, EvalRequest]] = []  # (number, version, request) not run yet
         self.recompute_kv = cfg.pipeline.recompute_kv
         self.loader, self.engine, self.batches, self.receiver, self.comm = loader, engine, batches, receiver, comm
         self.leader = comm.rank == 0
-        self.store = batches.store if self.leader else None
+        self.store = batches.store if batches is not None else None
         self.served = loader.version  # the index of the next batch to hand out
-        self.outbox: list[dict[str, Any]] = []  # collected, not handed out yet, in order (the replies on rank 0)
-        self.weights: Optional[int] = None  # the version of the engines' weights (None: dummy weights)
+        self.outbox: list[list[dict[str, Any]]] = []  # collected, not handed out yet, in order (rank 0: per train rank)
+        self.weights_version: Optional[int] = None  # the version of the engines' weights (None: dummy weights)
         self.pauses: list[float] = []  # update pauses since the last batch handed out
         self.e2e: list[float] = []
         self.timeout_s = cfg.trainer.collective_timeout_s  # the longest wait for the train side
 
+    # the loader's TickDriver
+    def weights(self) -> int:
+        if self.weights_version is None:
+            raise RuntimeError("rollout controller: collecting before the first weights arrived")
+        return self.weights_version
+
+    def between_ticks(self) -> None:
+        self._service()
+
     def run(self) -> None:
         """Until the train side sets stop (or a batch could not be collected and its error was handed out)."""
-        self.loader.run_between_ticks(self._service)
         try:
-            self._wait(lambda: self.weights is not None)  # the first weights: version = steps trained
+            self._wait(lambda: self.weights_version is not None)  # the first weights: version = steps trained
             while True:
                 # the next batch only while the batches collected and not trained stay within eta
-                self._wait(lambda: self.loader.version - self.weights <= self.eta)
+                self._wait(lambda: self.loader.version - self.weights_version <= self.eta)
                 progress.set_phase("collect", step=self.loader.version + 1)  # the step this batch trains
                 try:
-                    batch = self.loader.next_batch()
+                    batch = self.loader.next_batch(self)
                 except DynamicSamplingError as e:  # the trainer raises it: one error line, as colocated
-                    self._hand_out({"error": str(e)})
+                    self._hand_out([{"error": str(e)}] * len(self.split.dp_rank_of))
                     self._wait(lambda: not self.outbox)
                     return
                 # every response of the batch and every rank's share of the state, on the controller
                 parts = self.comm.gather_objects((batch.local, self.loader.state_dict()))
-                reply: dict[str, Any] = {}
+                replies: list[dict[str, Any]] = []
                 if self.leader:
-                    reply = {
-                        "groups": batch.groups,
-                        "responses": {k: g for local, _ in parts for k, g in local.items()},
-                        "stats": batch.stats,
-                        "state": self.loader.merge_states([state for _, state in parts]),
-                    }
-                self._hand_out(reply)
-                self.loader.weights_updated(self.weights)  # admission counts the batch handed out as started
+                    responses = {k: g for local, _ in parts for k, g in local.items()}
+                    state = DynamicSamplingLoader.merge_states([state for _, state in parts])
+                    replies = list(batch_replies(batch, responses, state, self.split))
+                self._hand_out(replies)
         except _Stop:
             return
 
-    def _hand_out(self, reply: dict[str, Any]) -> None:
-        self.outbox.append(reply)
+    def _hand_out(self, replies: list[dict[str, Any]]) -> None:
+        """A batch's replies, one per train rank (rank 0; empty elsewhere), in the outbox."""
+        self.outbox.append(replies)
         if self.leader:
             self.store.set("dapo/ready", str(self.served + len(self.outbox) - 1))
         self._service(boundary=True)
 
-    def _wait(self, done: Any) -> None:
+    def _wait(self, done: Callable[[], bool]) -> None:
         """At a batch boundary: serve the train side until done(), at most trainer.collective_timeout_s without its
         asking for anything (TimeoutError)."""
         deadline = time.monotonic() + self.timeout_s
@@ -195,79 +248,89 @@ class RolloutController:
                     raise TimeoutError(
                         f"rollout controller: the train side asked for nothing within trainer.collective_timeout_s="
                         f"{self.timeout_s:g} s (the next batch is {self.served}; the engines hold weights "
-                        f"{'none' if self.weights is None else self.weights})"
+                        f"{'none' if self.weights_version is None else self.weights_version})"
                     )
                 else:
                     time.sleep(self.POLL_S)
 
     def _service(self, boundary: bool = False) -> bool:
         """Hand out a wanted batch, then apply an update that has arrived, as rank 0 planned, then (at a batch
-        boundary) evaluate an update marked for it; True if it did any. Raises _Stop once the train side has set
-        stop and nothing is left to do."""
+        boundary) run the evaluations asked about the engines' weights; True if it did any. Raises _Stop once the
+        train side has set stop and nothing is left to do (what it asked for and stopped waiting for included)."""
         plan = self.comm.broadcast_object(self._plan() if self.leader else None)
         if plan["error"]:
             raise RuntimeError(plan["error"])
+        if plan["stop"]:
+            raise _Stop
         if plan["hand_out"]:
-            reply = self.outbox.pop(0)
+            replies = self.outbox.pop(0)
             if self.leader:
-                if "stats" in reply:
-                    reply["stats"] = {**reply["stats"], **self._update_stats()}
-                self.batches.broadcast_object(reply, src=0)
+                if "stats" in replies[0]:
+                    stats = {**replies[0]["stats"], **self._update_stats()}
+                    replies = [{**reply, "stats": stats} for reply in replies]
+                self.batches.scatter_object([{}, *replies], src=0)
             self.served += 1
         if plan["update"] is not None:
             self._apply_update(*plan["update"])
-        evaluated = boundary and self.eval_pending is not None
-        if evaluated:
-            self._evaluate()
-        if plan["stop"] and not evaluated:
-            raise _Stop
-        return plan["hand_out"] or plan["update"] is not None or evaluated
+        if plan["evaluate"] is not None:
+            self.evaluations.append((self.asked, plan["evaluate"]["version"], plan["evaluate"]["request"]))
+            self.asked += 1
+        evaluated = boundary and self._evaluate()
+        return plan["hand_out"] or plan["update"] is not None or plan["evaluate"] is not None or evaluated
 
     def _plan(self) -> dict[str, Any]:
         """Rank 0: what the store says to do now."""
-        plan: dict[str, Any] = {"error": None, "hand_out": False, "update": None, "stop": False}
+        plan: dict[str, Any] = {"error": None, "hand_out": False, "update": None, "evaluate": None, "stop": False}
         wanted = _wanted(self.store)
         if wanted is not None and wanted not in (self.served - 1, self.served):
             plan["error"] = f"rollout controller: the train side asks for batch {wanted}, the next is {self.served}"
             return plan
         plan["hand_out"] = bool(self.outbox) and wanted == self.served
         if self.store.check(["dapo/update"]):
-            version, sent_at, evaluate = self.store.get("dapo/update").decode().split()
-            if int(version) != self.weights:  # a new one: the sender waits in the broadcast until it is taken
-                plan["update"] = (int(version), float(sent_at), evaluate == "1")
+            version, sent_at = self.store.get("dapo/update").decode().split()
+            if int(version) != self.weights_version:  # a new one: the sender waits in the broadcast until it is taken
+                plan["update"] = (int(version), float(sent_at))
+        key = f"dapo/evaluate/{self.asked}"  # read after the update: a request about it is set before it
+        if self.store.check([key]):
+            plan["evaluate"] = safe_pickle.loads(self.store.get(key), f"the train side's {key}")
         plan["stop"] = not plan["hand_out"] and plan["update"] is None and self.store.check(["dapo/stop"])
         return plan
 
-    def _apply_update(self, version: int, sent_at: float, evaluate: bool) -> None:
-        """Update `version`, streamed into every engine between two of its steps; the groups in flight go on.
-        evaluate: the train side waits for its evaluation."""
-        expected = self.loader.version if self.weights is None else self.weights + 1
+    def _apply_update(self, version: int, sent_at: float) -> None:
+        """Update `version`, streamed into every engine between two of its steps; the groups in flight go on, their
+        later tokens tagged with it (the loader asks weights() after every tick)."""
+        expected = self.loader.version if self.weights_version is None else self.weights_version + 1
         if version != expected or self.receiver.begin() != version:
             raise RuntimeError(
                 f"rollout controller: expected weight update {expected} (the engine holds "
-                f"{'none' if self.weights is None else self.weights}), the train side sent {version}"
+                f"{'none' if self.weights_version is None else self.weights_version}), the train side sent {version}"
             )
         with progress.phase("weight update"):
             pause = self.engine.update_weights_in_flight(self.receiver.tensors(), version, self.recompute_kv)
-        self.weights = version
-        self.loader.weights_updated(version)  # tokens are tagged with it from here on
+        self.weights_version = version
         self.pauses.append(self.comm.max([pause["pause_s"]])[0])  # the slowest engine's
         self.e2e.append(time.time() - sent_at)
-        if evaluate:
-            if self.held_out is None:
-                raise RuntimeError(f"rollout controller: update {version} asks for evaluation, but eval.every is 0")
-            self.eval_pending = version
 
-    def _evaluate(self) -> None:
-        """The held-out evaluation of the engines' weights (every rank), handed to the train side (rank 0)."""
-        evaluator, prompts = self.held_out
-        e = self.eval_cfg
-        with progress.phase("evaluate"):
-            metrics = evaluator.evaluate(prompts, e.k, e.temperature, e.top_p, self.eval_tokens)
-        if self.leader:
-            self.store.set("dapo/evaluated", str(self.eval_pending))
-            self.batches.broadcast_object({"eval": metrics, "version": self.eval_pending}, src=0)
-        self.eval_pending = None
+    def _evaluate(self) -> bool:
+        """At a batch boundary: run the requests about the engines' weights, in order (every rank), each result
+        handed to the train side (rank 0); True if it ran any. A request about older weights is an error: the train
+        side receives every result before it sends newer ones."""
+        ran = False
+        while self.evaluations and self.evaluations[0][1] == self.weights_version:
+            number, version, request = self.evaluations.pop(0)
+            with progress.phase("evaluate"):
+                metrics = self.evaluator.run(request)
+            if self.leader:
+                self.store.set("dapo/evaluated", str(number))
+                self.batches.broadcast_object({"evaluation": number, "version": version, "eval": metrics}, src=0)
+            ran = True
+        if self.evaluations and self.weights_version is not None and self.evaluations[0][1] < self.weights_version:
+            number, version, _ = self.evaluations[0]
+            raise RuntimeError(
+                f"rollout controller: evaluation {number} asks about weights {version}, the engines hold "
+                f"{self.weights_version} already"
+            )
+        return ran
 
     def _update_stats(self) -> dict[str, float]:
         """The weight updates applied since the last batch handed out: the engines' pause, the end-to-end time
@@ -276,7 +339,7 @@ class RolloutController:
             "pipeline/updates": float(len(self.pauses)),
             "pipeline/update_pause_s": sum(self.pauses),
             "pipeline/update_e2e_s": max(self.e2e, default=0.0),
-            "pipeline/weights_version": float(self.weights if self.weights is not None else -1),
+            "pipeline/weights_version": float(self.weights_version if self.weights_version is not None else -1),
         }
         self.pauses, self.e2e = [], []
         return out

@@ -1,73 +1,112 @@
-"""What the trainer needs of the rollout side, in either pipeline.mode, and the function that picks it.
+"""What the trainer needs of the rollout side, in either pipeline.mode, and the function that builds it.
 
 `Rollout` is the trainer's whole view of generation: the next batch (collected by the dynamic-sampling loader), the
-responses this rank trains, the weight sync, held-out evaluation, the loader state a checkpoint holds, and closing.
-Its two implementations: ColocatedRollout (colocated.py: the engines in the train processes) and RemoteRollout
-(remote.py: the train side's end of the asynchronous rollout processes, controller.py). make_rollout picks one by
-pipeline.mode.
+responses this rank trains (by the `TrainSplit`, split.py, that both sides know), the weight sync, evaluations (each asked for
+with an EvalRequest and answered through its `Evaluation`), the loader state a checkpoint holds, and closing. A
+Rollout is ready when built: make_rollout hands it the loader state to resume from and syncs the first weights, so
+no method waits for another to have been called first. Its two implementations: ColocatedRollout (colocated.py:
+the engines in the train processes) and RemoteRollout (remote.py: the train side's end of the asynchronous rollout
+processes, controller.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from megatron_dapo.config import Config
 from megatron_dapo.model.comm import Comm
+from megatron_dapo.placement.evaluation import Evaluation, Synced
+from megatron_dapo.placement.split import TrainSplit
+from megatron_dapo.rollout.engine import WeightSource
 from megatron_dapo.sampling.exchange import SampleId
-from megatron_dapo.sampling.loader import StepBatch
-from megatron_dapo.types import Prompt, Response
+from megatron_dapo.sampling.loader import LoaderState, StepBatch
+from megatron_dapo.types import EvalRequest, Prompt, Response
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Rollout(Protocol):
-    """The rollout side as the trainer uses it; every method is collective over the train world."""
-
-    def start(self) -> None:
-        """Begin serving: after load_state_dict (a resumed run), before the first sync."""
+    """The rollout side as the trainer uses it, ready from construction (make_rollout); every method is collective
+    over the train world."""
 
     def next_batch(self) -> StepBatch:
-        """The next rollout step's groups (every rank the same list), with the responses this rank holds."""
+        """The next rollout step's groups (every rank the same list)."""
+        ...
 
-    def responses(
-        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
-    ) -> tuple[dict[SampleId, Response], float]:
-        """(key, j) -> Response for at least every id wanted_by(this rank) (wanted_by(rank): the ids rank trains);
-        and the bytes this rank sent for it."""
+    def responses(self, batch: StepBatch) -> tuple[dict[SampleId, Response], float]:
+        """(key, j) -> Response for at least every id this rank trains of batch (TrainSplit.wanted_by), and the bytes
+        this rank sent for them."""
+        ...
 
-    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
-        """Stream the bridge's weights (version: rollout steps they have trained) into the engines; evaluate: these
-        weights are the ones held_out() evaluates next. Returns the sync's metrics."""
+    def sync(self, weights: WeightSource, version: int, evaluate: Optional[EvalRequest] = None) -> Synced:
+        """Stream weights into the engines (version: rollout steps they have trained); evaluate: an evaluation of
+        these weights, which the rollout side runs before its engines generate with any other."""
+        ...
 
-    def evaluate(
-        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
-    ) -> dict[str, float]:
-        """avg@k and pass@k on prompts with the engines' current weights (HeldOutEval)."""
+    def evaluate(self, request: EvalRequest) -> Evaluation:
+        """An evaluation of the weights last synced."""
+        ...
 
-    def held_out(self) -> dict[str, float]:
-        """The eval section's evaluation on data.val_files of the weights last synced with evaluate=True."""
-
-    def state_dict(self) -> Any:
-        """The loader state after the last batch (what the trainer's checkpoint holds)."""
-
-    def load_state_dict(self, state: Any) -> None: ...
+    def state_dict(self) -> Optional[LoaderState]:
+        """The loader state after the last batch (what this rank's checkpoint holds; None where it holds none)."""
+        ...
 
     def close(self) -> None:
-        """Stop the engines (or the rollout processes); safe to call once whatever start() reached."""
+        """Stop the engines (or the rollout processes); safe to call once, whatever state they are in."""
+        ...
 
 
-def make_rollout(cfg: Config, tokenizer: Any, dataset: Any, comm: Comm) -> Rollout:
-    """pipeline.mode's Rollout for this train rank (comm: the train world's): colocated, or the end of the
-    asynchronous rollout processes, which the launcher told this process where to meet (transport.py)."""
+class RolloutFactory(Protocol):
+    """make_rollout's signature: what the trainer builds its Rollout with (a test passes a stand-in's)."""
+
+    def __call__(
+        self,
+        cfg: Config,
+        tokenizer: PreTrainedTokenizerBase,
+        dataset: Sequence[Prompt],
+        comm: Comm,
+        split: TrainSplit,
+        weights: WeightSource,
+        version: int,
+        state: Optional[LoaderState],
+    ) -> Rollout: ...
+
+
+def make_rollout(
+    cfg: Config,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Sequence[Prompt],
+    comm: Comm,
+    split: TrainSplit,
+    weights: WeightSource,
+    version: int,
+    state: Optional[LoaderState],
+) -> Rollout:
+    """pipeline.mode's Rollout for this train rank (comm: the train world's), ready: resuming from the loader state
+    `state` (None: a fresh run), its engines holding `weights` as version `version` (they start from dummy ones).
+    Asynchronous: the end of the rollout processes, which the launcher told this process where to meet
+    (transport.py). What started is closed if a later part fails."""
     if cfg.pipeline.mode == "async":
         from megatron_dapo.placement.remote import RemoteRollout
         from megatron_dapo.placement.transport import Transport, transport_backend
 
-        return RemoteRollout(
+        rollout = RemoteRollout(
             Transport.from_env(),
             comm.rank,
             cfg.pipeline.rollout_gpus,
             transport_backend(cfg),
             cfg.trainer.collective_timeout_s,
+            split,
         )
-    from megatron_dapo.placement.colocated import ColocatedRollout
+    else:
+        from megatron_dapo.placement.colocated import ColocatedRollout
 
-    return ColocatedRollout(cfg, tokenizer, dataset, comm)
+        rollout = ColocatedRollout(cfg, tokenizer, dataset, comm, split)
+    try:
+        rollout.start(state, weights, version)
+    except BaseException:
+        rollout.close()
+        raise
+    return rollout

@@ -6,52 +6,73 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Optional
 
-from megatron_dapo import progress
-from megatron_dapo.config import ConfigError
+from megatron_dapo import progress, safe_pickle
+from megatron_dapo.placement.evaluation import Evaluation, Synced
+from megatron_dapo.placement.split import TrainSplit
 from megatron_dapo.placement.transport import Transport
+from megatron_dapo.rollout.engine import WeightSource
 from megatron_dapo.sampling.exchange import SampleId
-from megatron_dapo.sampling.loader import DynamicSamplingError, StepBatch
-from megatron_dapo.types import Prompt, Response
+from megatron_dapo.sampling.loader import DynamicSamplingError, LoaderState, StepBatch
+from megatron_dapo.types import EvalRequest, Response
+
+
+@dataclass
+class DeliveredBatch(StepBatch):
+    """A batch as a train rank receives it from the rollout side: no responses of its own (local is empty), the
+    ones it trains already delivered."""
+
+    delivered: dict[SampleId, Response] = field(default_factory=dict)
+    """(key, j) -> Response for every id this rank trains (TrainSplit.wanted_by)."""
 
 
 class RemoteRollout:
-    """What a train rank holds of the rollout side: next_batch() asks the controller for a batch, state_dict() is
-    the loader's state that came with the last batch (what the trainer's checkpoint saves), load_state_dict() keeps a
-    checkpoint's for start() to hand over; sync() streams the bridge's buckets to the controller."""
+    """What a train rank holds of the rollout side: next_batch() asks the controller for a batch, which brings this
+    rank's share of the responses (and, on train rank 0, the loader state after it: what the trainer's checkpoint
+    saves); sync() streams the bridge's buckets to the controller; each evaluation asked for is a numbered request in
+    the store, whose result the controller broadcasts."""
 
     POLL_S = 0.005
     """How often a train rank waiting for a batch looks at the store."""
 
-    def __init__(self, transport: Transport, rank: int, rollout_procs: int, backend: str, timeout_s: float) -> None:
+    def __init__(
+        self, transport: Transport, rank: int, rollout_procs: int, backend: str, timeout_s: float, split: TrainSplit
+    ) -> None:
         from megatron_dapo.rollout.weight_transport import WeightSender
 
         self.rank = rank  # this process's train rank
+        self.split = split
         self.timeout_s = timeout_s  # trainer.collective_timeout_s: the longest this side waits for the other
         self.batches, weights = transport.connect("train", rank, rollout_procs, backend, timeout_s)
         self.store = self.batches.store
         self.sender = WeightSender(weights)
-        self.state: Optional[dict[str, Any]] = None
+        self.state: Optional[LoaderState] = None  # train rank 0's: the loader's after the last batch
         self.batch = 0  # the index of the next batch to ask for
-        self.evaluating: Optional[int] = None  # the version sent for evaluation, its result not received yet
-        self.evaluated = -1  # the last version whose evaluation this rank received
+        self.version: Optional[int] = None  # the weights last sent
+        self.asked = 0  # evaluations asked for so far (the next one's number)
+        self.pending: list[tuple[int, Evaluation]] = []  # (number, evaluation) whose result has not come yet
 
-    def state_dict(self) -> Optional[dict[str, Any]]:
+    def state_dict(self) -> Optional[LoaderState]:
         return self.state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def start(self) -> None:
-        """Hand the controller the state to resume from (None: a fresh run); learn what its engine loads."""
+    def start(self, state: Optional[LoaderState], weights: WeightSource, version: int) -> None:
+        """Hand the controller the state to resume from (None: a fresh run) and the split it sends responses by;
+        learn what its engine loads; send the first weights."""
         with progress.waiting("the rollout side (its start)"):
-            self.batches.broadcast_object({"cmd": "start", "state": self.state} if self.rank == 0 else None, src=1)
+            start = {"cmd": "start", "state": state, "split": asdict(self.split)}
+            self.batches.broadcast_object(start if self.rank == 0 else None, src=1)
             reply = self.batches.broadcast_object(None, src=0)
         self.sender.weight_format, self.batch = reply["weight_format"], reply["batch"]
+        self.state = state if self.rank == 0 else None
+        self.sync(weights, version)
 
-    def next_batch(self) -> StepBatch:
-        """The controller's next batch; every response of it is on every train rank (`local`)."""
+    def next_batch(self) -> DeliveredBatch:
+        """The controller's next batch, with the responses this rank trains: every evaluation asked for comes first
+        (the controller ran it at a batch boundary before this batch was handed out)."""
+        self._settle(len(self.pending))
         t0 = time.perf_counter()
         if self.rank == 0:
             self.store.set("dapo/want", str(self.batch))
@@ -59,78 +80,88 @@ class RemoteRollout:
             self._poll(
                 lambda: self.store.check(["dapo/ready"]) and int(self.store.get("dapo/ready")) >= self.batch,
                 f"batch {self.batch}",
-                self._no_unasked_evaluation,
             )
-            reply = self.batches.broadcast_object(None, src=0)
+            received = self.batches.bytes_received
+            reply = self.batches.scatter_object(None, src=0)
         self.batch += 1
         if "error" in reply:
             raise DynamicSamplingError(reply["error"])
         if "groups" not in reply:  # the two sides disagree on what comes next: fail now, never wait
             raise RuntimeError(f"rollout controller: expected batch {self.batch - 1}, got {sorted(reply)}")
-        self.state = reply["state"]
-        stats = {**reply["stats"], "timing/batch_wait": time.perf_counter() - t0}
-        return StepBatch(groups=reply["groups"], local=reply["responses"], stats=stats)
-
-    def responses(
-        self, batch: StepBatch, wanted_by: Callable[[int], list[SampleId]]
-    ) -> tuple[dict[SampleId, Response], float]:
-        """The controller sent every response to every train rank: nothing moves here."""
-        return {(key, j): r for key, group in batch.local.items() for j, r in enumerate(group)}, 0.0
-
-    def sync(self, bridge: Any, version: int, evaluate: bool = False) -> dict[str, float]:
-        """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
-        (the controller joins the broadcast between two of its ticks). evaluate: the rollout side evaluates
-        these weights; held_out() waits for the result."""
         if self.rank == 0:
-            self.store.set("dapo/update", f"{version} {time.time()!r} {int(evaluate)}")
-        self.evaluating = version if evaluate else None
-        self.sender.begin(version)
-        metrics = bridge.sync(self.sender, version)
-        return {**metrics, **self.sender.stats}
+            self.state = reply["state"]
+        stats = {
+            **reply["stats"],
+            "timing/batch_wait": time.perf_counter() - t0,
+            "pipeline/batch_bytes": float(self.batches.bytes_received - received),
+        }
+        return DeliveredBatch(groups=reply["groups"], local={}, stats=stats, delivered=reply["responses"])
 
-    def _poll(self, ready: Callable[[], bool], what: str, check: Callable[[], None] = lambda: None) -> None:
-        """Look at the store until ready() (and check() each time), at most trainer.collective_timeout_s
-        (TimeoutError naming what)."""
+    def responses(self, batch: StepBatch) -> tuple[dict[SampleId, Response], float]:
+        """The responses the controller sent this rank with the batch: nothing moves here."""
+        if not isinstance(batch, DeliveredBatch):
+            raise TypeError(f"RemoteRollout.responses: expected a batch of its own next_batch(), got {type(batch)}")
+        return batch.delivered, 0.0
+
+    def sync(self, weights: WeightSource, version: int, evaluate: Optional[EvalRequest] = None) -> Synced:
+        """Every train rank iterates the bridge (it is collective); train rank 0 sends, after saying so in the store
+        (the controller joins the broadcast between two of its ticks). evaluate: asked for before the update is
+        announced, so the controller evaluates at the first batch boundary after it applies these weights."""
+        self._settle(len(self.pending))  # what was asked about the weights before these comes first
+        evaluation = None if evaluate is None else self._ask(version, evaluate)
+        if self.rank == 0:
+            self.store.set("dapo/update", f"{version} {time.time()!r}")
+        self.sender.begin(version)
+        metrics = weights.sync(self.sender, version)
+        self.version = version
+        return Synced({**metrics, **self.sender.stats}, evaluation)
+
+    def evaluate(self, request: EvalRequest) -> Evaluation:
+        """An evaluation of the weights last sent; the controller runs it at its next batch boundary."""
+        if self.version is None:
+            raise RuntimeError("evaluate(): no weights sent yet (start() sends the first)")
+        return self._ask(self.version, request)
+
+    def _ask(self, version: int, request: EvalRequest) -> Evaluation:
+        """Request number `asked`, in the store (dapo/evaluate/N) for the controller to read."""
+        number = self.asked
+        if self.rank == 0:
+            self.store.set(f"dapo/evaluate/{number}", safe_pickle.dumps({"version": version, "request": request}))
+        self.asked += 1
+        evaluation = Evaluation(version, request, lambda e: self._settle(self._position(e) + 1))
+        self.pending.append((number, evaluation))
+        return evaluation
+
+    def _position(self, evaluation: Evaluation) -> int:
+        return next(i for i, (_, e) in enumerate(self.pending) if e is evaluation)
+
+    def _settle(self, count: int) -> None:
+        """Receive the results of the first `count` pending evaluations, in the order they were asked for."""
+        for _ in range(count):
+            number, evaluation = self.pending[0]
+            with progress.waiting(f"the rollout side (evaluation {number}, of weights {evaluation.version})"):
+                self._poll(  # the controller evaluates at its next batch boundary
+                    lambda n=number: (
+                        self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) >= n
+                    ),
+                    f"evaluation {number} (of weights {evaluation.version})",
+                )
+                reply = self.batches.broadcast_object(None, src=0)
+            if reply.get("evaluation") != number:
+                raise RuntimeError(f"rollout controller: expected the result of evaluation {number}, got {reply!r}")
+            self.pending.pop(0)
+            evaluation.resolve(reply["eval"])
+
+    def _poll(self, ready: Callable[[], bool], what: str) -> None:
+        """Look at the store until ready(), at most trainer.collective_timeout_s (TimeoutError naming what)."""
         deadline = time.monotonic() + self.timeout_s
         while not ready():
-            check()
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the rollout side did not hand over {what} within trainer.collective_timeout_s={self.timeout_s:g} "
                     "s (its processes' own errors, if any, are in the log)"
                 )
             time.sleep(self.POLL_S)
-
-    def _no_unasked_evaluation(self) -> None:
-        """An evaluation the train side did not mark waits in the controller's broadcast for a receiver that never
-        comes: fail at once instead."""
-        if self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) > self.evaluated:
-            raise RuntimeError(
-                f"rollout controller: evaluated update {int(self.store.get('dapo/evaluated'))}, which the train side "
-                f"did not mark for evaluation (last evaluated: {self.evaluated})"
-            )
-
-    def evaluate(
-        self, prompts: list[Prompt], k: int, temperature: float, top_p: float, max_tokens: int
-    ) -> dict[str, float]:
-        raise ConfigError("pipeline.mode=async: the rollout side evaluates data.val_files (eval.every) only")
-
-    def held_out(self) -> dict[str, float]:
-        """The rollout side's held-out evaluation of the weights last sent (sync(..., evaluate=True))."""
-        if self.evaluating is None:
-            raise RuntimeError("held_out() without weights sent for evaluation")
-        with progress.waiting(f"the rollout side (the evaluation of update {self.evaluating})"):
-            self._poll(  # the controller evaluates at its next batch boundary
-                lambda: (
-                    self.store.check(["dapo/evaluated"]) and int(self.store.get("dapo/evaluated")) >= self.evaluating
-                ),
-                f"the held-out evaluation of update {self.evaluating}",
-            )
-            reply = self.batches.broadcast_object(None, src=0)
-        if reply.get("version") != self.evaluating:
-            raise RuntimeError(f"rollout controller: expected the evaluation of {self.evaluating}, got {reply!r}")
-        self.evaluated, self.evaluating = self.evaluating, None
-        return reply["eval"]
 
     def close(self) -> None:
         """Tell the controller to stop (it looks between ticks, and while it waits)."""

@@ -95,6 +95,24 @@ class RolloutEngine(Protocol):
         ...
 
 
+class WeightSink(Protocol):
+    """What a weight sync streams into: a RolloutEngine, or the asynchronous train side's WeightSender
+    (rollout/weight_transport.py), which sends the buckets on to the rollout processes' engines."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], digest: str | None = None) -> None: ...
+
+    def finish_weight_update(self) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Where a weight sync comes from: the policy's weights as Hugging Face tensors (rollout/weight_bridge.py)."""
+
+    def sync(self, engine: WeightSink, version: int = 0) -> dict[str, float]:
+        """Every bucket into engine.update_weights(bucket, digest), then engine.finish_weight_update(); version: the
+        policy version these weights are (rollout steps trained). Returns the sync's metrics."""
+        ...
+
+
 @dataclass
 class GroupRequest:
     """One prompt group to stream: n samples of one prompt."""

@@ -10,12 +10,19 @@ gets the same numbers.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.reward import RewardBatch
 from megatron_dapo.reward.accuracy import accuracy_at_k, score_samples
+from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.types import Prompt, Response
+
+
+class Scorer(Protocol):
+    """What scores held-out responses (megatron_dapo.reward.RewardPool is one)."""
+
+    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch: ...
 
 
 class ShardedScorer:
@@ -28,7 +35,7 @@ class ShardedScorer:
 
     COUNTS = ("reward/timeouts", "reward/errors", "reward/worker_restarts")
 
-    def __init__(self, pool: Any, comm: Comm) -> None:
+    def __init__(self, pool: Scorer, comm: Comm) -> None:
         self.pool, self.comm = pool, comm
 
     def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str]) -> RewardBatch:
@@ -54,7 +61,9 @@ class HeldOutEval:
     consecutive ranks each); seed: the base sampling seed; stop_token_ids: where a response ends.
     """
 
-    def __init__(self, engine: Any, pool: Any, comm: Comm, tp: int, seed: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, engine: RolloutEngine, pool: Scorer, comm: Comm, tp: int, seed: int, stop_token_ids: list[int]
+    ) -> None:
         self.engine, self.comm, self.scorer = engine, comm, ShardedScorer(pool, comm)
         self.engine_id, self.num_engines, self.tp = comm.rank // tp, comm.world // tp, tp
         self.seed, self.stop_token_ids = seed, stop_token_ids

@@ -35,6 +35,7 @@ from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.parallel import Layout
 from megatron_dapo.model.provider import gather_tp, local_slots
 from megatron_dapo.model.sharding import expert_of
+from megatron_dapo.rollout.engine import WeightSink
 from megatron_dapo.rollout.quantize import encode
 from megatron_dapo.rollout.weight_transport import Bucket, bucket_digest, corrupted
 
@@ -116,7 +117,7 @@ class WeightBridge:
         if bucket:
             yield bucket
 
-    def sync(self, engine, version: int = 0) -> dict[str, float]:
+    def sync(self, engine: WeightSink, version: int = 0) -> dict[str, float]:
         """Stream every bucket into engine.update_weights(bucket, digest), encoded in the engine's weight_format
         (default "none"); version: the policy version these weights are (the fault places name it). Returns seconds,
         GB and GB/s of this sync, the seconds spent quantizing and computing digests."""

@@ -135,6 +135,8 @@ class TransportGroup:
 
     def __init__(self, pg, rank: int, size: int, device: torch.device, store=None) -> None:
         self.pg, self.rank, self.size, self.device, self.store = pg, rank, size, device, store
+        self.bytes_received = 0
+        """Bytes this rank received through scatter_object so far."""
 
     @staticmethod
     def connect(
@@ -177,6 +179,31 @@ class TransportGroup:
         data = broadcast_bytes(safe_pickle.dumps(obj) if is_src else None, is_src, lambda t: self.broadcast(t, src),
                                self.device)  # fmt: skip
         return obj if is_src else safe_pickle.loads(data, f"an object from rank {src} of the transport group")
+
+    def scatter_object(self, objs: Optional[list], src: int):
+        """objs[r] from src to each rank r (objs ignored elsewhere; src keeps objs[src]): its pickle's length, then
+        its bytes, point to point, so each rank receives its own object only; read by the restricted unpickler."""
+        if self.rank != src:
+            n = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.pg.recv([n], src, 0).wait()
+            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+            self.pg.recv([buf], src, 1).wait()
+            self.bytes_received += buf.numel()
+            return safe_pickle.loads(buf.cpu().numpy().tobytes(), f"an object from rank {src} of the transport group")
+        if objs is None or len(objs) != self.size:
+            raise ValueError(f"scatter_object: expected one object per rank of the group ({self.size})")
+        sends = []
+        for rank, obj in enumerate(objs):
+            if rank == src:
+                continue
+            data = safe_pickle.dumps(obj)
+            n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            sends.append((n, buf, self.pg.send([n], rank, 0), self.pg.send([buf], rank, 1)))
+        for _, _, sent_n, sent_buf in sends:  # the tensors stay referenced until their sends complete
+            sent_n.wait()
+            sent_buf.wait()
+        return objs[src]
 
 
 class WeightSender:

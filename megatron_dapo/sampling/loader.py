@@ -16,7 +16,8 @@ When the batch is full the scheduler stops what is still generating: aborted (pr
 the head of the queue), or with partial rollout paused, their tokens kept on their engine's
 rank to continue after the weight sync. The loader returns the batch's summaries (every rank)
 and this rank's own responses; exchange.deliver then moves each trained response to the ranks
-that train it.
+that train it. Asynchronous DAPO's controller (placement/controller.py) drives the same steps through a
+TickDriver: the weights its engines hold, and its service between two ticks.
 
 A group's responses live only on the rank of the engine that made it (its "owner"). With
 sampler.mode=fill or dynamic_bs the same machinery generates whole rounds (other trainers'
@@ -32,7 +33,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol, TypedDict
 
 from megatron_dapo import progress
 from megatron_dapo.choices import ROUND_SAMPLER_MODES
@@ -47,7 +48,7 @@ from megatron_dapo.types import Group, Prompt, Response
 
 log = logging.getLogger("megatron_dapo.sampling")
 
-__all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "StepBatch"]
+__all__ = ["DynamicSamplingError", "DynamicSamplingLoader", "LoaderState", "StepBatch", "TickDriver"]
 
 
 class AsyncScorer(Protocol):
@@ -59,6 +60,33 @@ class AsyncScorer(Protocol):
 
     def result(self, ticket: int) -> Any:
         """An object with .scores: list[float], .acc: list[bool], .status: list[str]."""
+
+
+class TickDriver(Protocol):
+    """What drives a step from outside the loader: the asynchronous rollout controller, whose engines take weight
+    updates while they generate (None: colocated, the engines synced to the batch count before each step)."""
+
+    def weights(self) -> int:
+        """The version of the weights the engines hold now (rollout steps trained): asked before the step and after
+        every tick. Tokens are tagged with it; admission counts the batches collected and not trained as started."""
+        ...
+
+    def between_ticks(self) -> None:
+        """Called after every tick of a step: the controller hands out batches and applies weight updates there, so
+        generation never stops for them."""
+        ...
+
+
+class LoaderState(TypedDict):
+    """The loader's checkpoint state, one shape wherever it was taken: the scheduler's (the same on every rank) and
+    the responses of groups that outlive the step, by group key: one rank's own (state_dict()) or several ranks'
+    (merge_states). A rank loading it keeps those of the groups it owns."""
+
+    scheduler: dict[str, Any]
+    finished: dict[int, dict[str, Any]]
+    """Carried-over groups, as Group.to_dict()."""
+    partial: dict[int, list[dict[str, Any]]]
+    """Paused groups' samples as their engine left them, as asdict(Response)."""
 
 
 @dataclass
@@ -130,40 +158,22 @@ class DynamicSamplingLoader:
         self._base: dict[int, int] = {}  # key -> tokens it had when (re)submitted this step: the rest are this step's
         self._tick = 0  # ticks of the step in progress
         self._engine_of: dict[int, int] = {}  # key -> engine, for the groups in flight on this rank's engines
-        self.weights_version: Optional[int] = None
-        """Asynchronous: the version of the weights the engines hold (weights_updated; tokens are tagged with it).
-        None: colocated, where the engines are synced to `version` before each step."""
-        self.between_ticks: Optional[Callable[[], None]] = None
-        """Asynchronous: called after every tick of a step (run_between_ticks)."""
+        self.sampling_version = 0
+        """The version of the weights generating now (the tag of every token sampled now): the batch count, or the
+        TickDriver's weights()."""
 
     @property
     def version(self) -> int:
         """Batches handed out so far: the weight version that will train the batch being collected."""
         return self.scheduler.version
 
-    @property
-    def sampling_version(self) -> int:
-        """The version of the weights generating now (the tag of every token sampled now)."""
-        return self.version if self.weights_version is None else self.weights_version
-
-    # ---------------------------------------------------------------- asynchronous: set by the rollout controller
-
-    def run_between_ticks(self, service: Callable[[], None]) -> None:
-        """Call service() after every tick of a step: the controller hands out batches and applies weight updates
-        there, so generation never stops for them."""
-        self.between_ticks = service
-
-    def weights_updated(self, version: int) -> None:
-        """The engines hold weights `version` (rollout steps trained) from now on; admission counts the batches
-        collected and not trained yet as started (sampler.max_staleness)."""
-        self.weights_version = version
-        self.scheduler.untrained_batches = max(0, self.version - version)
-
     # ---------------------------------------------------------------- a step
 
-    def next_batch(self) -> StepBatch:
-        """Collect one rollout step's groups. Raises DynamicSamplingError when it cannot (sampler.on_shortfall)."""
+    def next_batch(self, driver: Optional[TickDriver] = None) -> StepBatch:
+        """Collect one rollout step's groups; driver: the asynchronous controller's (None: colocated). Raises
+        DynamicSamplingError when it cannot (sampler.on_shortfall)."""
         sched = self.scheduler
+        self._weights_from(driver)
         t0 = time.perf_counter()
         engine_t0 = {e: dict(eng.stats) for e, eng in self.engines.items()} if self._has_stats() else {}
         gathered0 = self.comm.bytes_gathered
@@ -179,8 +189,9 @@ class DynamicSamplingLoader:
             t_scoring += time.perf_counter() - t1
             sched.observe(gather_metas(self.comm, scored, self.group_size), self._engine_load())
             self._tick += 1
-            if self.between_ticks is not None:
-                self.between_ticks()
+            if driver is not None:
+                driver.between_ticks()
+                self._weights_from(driver)
         t_full = time.perf_counter() - t0
         stop = sched.close_step()
         stopped = gather_stopped(self.comm, self._stop(stop))
@@ -200,6 +211,15 @@ class DynamicSamplingLoader:
         stats.update(self._timing_stats(t_full, self._tick, t_scoring, engine_t0))
         stats["sampler/bytes_gathered"] = float(self.comm.sum([self.comm.bytes_gathered - gathered0])[0])
         return StepBatch(groups=result.batch, local=local, stats=stats)
+
+    def _weights_from(self, driver: Optional[TickDriver]) -> None:
+        """The weights generating from now on: the driver's (admission counts the batches collected and not trained
+        as started, sampler.max_staleness), or without one the batch count's."""
+        if driver is None:
+            self.sampling_version = self.version
+            return
+        self.sampling_version = driver.weights()
+        self.scheduler.untrained_batches = max(0, self.version - self.sampling_version)
 
     def _check_agreement(self) -> None:
         """Every rank must have taken the same decisions: compare the schedulers' fingerprints (two floats)."""
@@ -382,7 +402,7 @@ class DynamicSamplingLoader:
 
     # ---------------------------------------------------------------- state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> LoaderState:
         """The scheduler's state (the same on every rank) and this rank's responses of groups that outlive the step."""
         return {
             "scheduler": self.scheduler.state_dict(),
@@ -391,36 +411,34 @@ class DynamicSamplingLoader:
         }
 
     @staticmethod
-    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-        """One state for the states of several ranks (the same scheduler, each rank's own responses): the shape of
-        one rank's, which every rank loads with load_state_dict(state, merged=True)."""
+    def merge_states(states: list[LoaderState]) -> LoaderState:
+        """One state for the states of several ranks (the same scheduler, each rank's own responses)."""
         return {
             "scheduler": states[0]["scheduler"],
             "finished": {k: g for s in states for k, g in s["finished"].items()},
             "partial": {k: p for s in states for k, p in s["partial"].items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any], merged: bool = False) -> None:
-        """state: this rank's (state_dict()), or with merged=True the ranks' merge_states(), of which this rank
-        keeps the responses of the groups it owns."""
+    def load_state_dict(self, state: LoaderState) -> None:
+        """state: this rank's (state_dict()) or several ranks' (merge_states()): this rank keeps the responses of
+        the groups it owns by the scheduler's state, every one of which must be there."""
         if "scheduler" not in state:
             raise ValueError(
                 "dynamic-sampling loader state has no 'scheduler' entry: it was saved by an older version of "
                 "megatron-dapo, whose checkpoints cannot be resumed by this one"
             )
         self.scheduler.load_state_dict(state["scheduler"])
-        self.finished = {int(k): Group.from_dict(g) for k, g in state["finished"].items()}
-        self.partial = {int(k): [Response(**r) for r in samples] for k, samples in state["partial"].items()}
-        owned_keys = {g.key for g in self.scheduler.carry if g.engine in self.owned}
-        owned_keys |= {p.key for p in self.scheduler.paused if p.engine in self.owned}
-        if merged:
-            self.finished = {k: g for k, g in self.finished.items() if k in owned_keys}
-            self.partial = {k: p for k, p in self.partial.items() if k in owned_keys}
-        held = set(self.finished) | set(self.partial)
-        if owned_keys != held:
+        owned = {g.key for g in self.scheduler.carry if g.engine in self.owned}
+        owned |= {p.key for p in self.scheduler.paused if p.engine in self.owned}
+        finished = {int(k): g for k, g in state["finished"].items()}
+        partial = {int(k): samples for k, samples in state["partial"].items()}
+        self.finished = {k: Group.from_dict(g) for k, g in finished.items() if k in owned}
+        self.partial = {k: [Response(**r) for r in samples] for k, samples in partial.items() if k in owned}
+        missing = owned - set(self.finished) - set(self.partial)
+        if missing:
             raise ValueError(
-                f"dynamic-sampling loader state: this rank owns groups {sorted(owned_keys)} by the scheduler's "
-                f"state but holds the responses of {sorted(held)}: the checkpoint's rank files do not belong together"
+                f"dynamic-sampling loader state: this rank owns groups {sorted(owned)} by the scheduler's state but "
+                f"the state holds no responses of {sorted(missing)}: the checkpoint's rank files do not belong together"
             )
 
 
