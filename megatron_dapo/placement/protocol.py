@@ -11,7 +11,7 @@ processes, controller.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from megatron_dapo.config import Config
@@ -58,20 +58,11 @@ class Rollout(Protocol):
         ...
 
 
-class RolloutFactory(Protocol):
-    """make_rollout's signature: what the trainer builds its Rollout with (a test passes a stand-in's)."""
-
-    def __call__(
-        self,
-        cfg: Config,
-        tokenizer: PreTrainedTokenizerBase,
-        dataset: Sequence[Prompt],
-        comm: Comm,
-        split: TrainSplit,
-        weights: WeightSource,
-        version: int,
-        state: Optional[LoaderState],
-    ) -> Rollout: ...
+RolloutFactory = Callable[
+    [Config, "PreTrainedTokenizerBase", Sequence[Prompt], Comm, TrainSplit, WeightSource, int, Optional[LoaderState]],
+    Rollout,
+]
+"""make_rollout's signature: what the trainer builds its Rollout with (a test passes a stand-in's)."""
 
 
 def make_rollout(
