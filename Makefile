@@ -25,6 +25,11 @@ install: $(STAMP)
 # the longest first (tests/conftest.py LONGEST_FILES): xdist would otherwise reorder them by test count
 # PYTEST_ARGS: more pytest options, e.g. a shuffled order within each file (the same seed on both workers):
 #   make test-fast PYTEST_ARGS="--random-order-bucket=module --random-order-seed=1234"
+# Python keeps the bytecode of the package and the tests (__pycache__, ignored by git) even where the environment
+# says PYTHONDONTWRITEBYTECODE: else each of the suite's hundreds of processes compiles the package again (~3 s of
+# a tiny training run's ~27 s CPU) and each pytest worker rewrites every test file's asserts (~8 s). make mutants
+# sets it again for its scratch copies, whose files change under the same names.
+unexport PYTHONDONTWRITEBYTECODE
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test: $(STAMP) system-packages
