@@ -19,7 +19,8 @@ patches those, process-wide, so that the same Megatron code path runs on CPU wit
   all_to_all_single refuses tensors as split sizes), and its device-to-host event is one that synchronizes;
 - Megatron is imported with its JIT fuser off (`_import_megatron_eager`): its fused paths are off on CPU
   (model/provider.py), so nothing of it would be compiled, and wrapping its fusions in torch.compile at import
-  costs every process ~3 s of importing dynamo and inductor.
+  costs every process ~3 s of importing dynamo and inductor; and without wandb, which it would import for logging
+  of its own that this project never asks for (~0.9 s).
 
 `enable()` does nothing when CUDA is available; call it before building models.
 """
@@ -107,7 +108,8 @@ def _patch_moe() -> None:
 
 
 def _import_megatron_eager() -> None:
-    """Import megatron.core with torch.compile standing as the identity, then turn Megatron's JIT fuser off.
+    """Import megatron.core with torch.compile standing as the identity and wandb absent, then turn Megatron's JIT
+    fuser off.
 
     megatron.core.jit sets `jit_fuser = torch.compile` and its fusion modules decorate with it at import; the first
     torch.compile call imports torch._dynamo and the inductor backend. A process that imported Megatron already (or
@@ -121,10 +123,17 @@ def _import_megatron_eager() -> None:
         return model if model is not None else (lambda fn: fn)
 
     torch.compile = eager
+    # Megatron's timers and inference context import wandb if installed (~0.9 s), for logging this project never
+    # asks of them: they find none (train.py's MetricSinks imports it itself when trainer.wandb_project is set)
+    hide_wandb = "wandb" not in sys.modules
+    if hide_wandb:
+        sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
     try:
         import megatron.core.jit
     finally:
         torch.compile = compile_
+        if hide_wandb:
+            del sys.modules["wandb"]
     megatron.core.jit.disable_jit_fuser()  # for the modules Megatron imports later
 
 
