@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         say(f"no --model: making a starting policy (tokenizer, {kind}, short supervised warm start)")
         model_dir = warm_start(out / "warm_start", train, held, args.warm_steps, args.seed, say, moe=args.moe)
 
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config import load_config, to_yaml
     from megatron_dapo.data.datasets import PromptDataset
     from megatron_dapo.sampling.loader import DynamicSamplingError
     from megatron_dapo.train import MetricSinks, progress_line
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     trainer = Trainer(cfg)
-    sinks = MetricSinks(cfg, active=True)  # run_dir/metrics.jsonl and TensorBoard, as in training
+    sinks = MetricSinks(cfg.trainer, to_yaml(cfg), active=True)  # run_dir/metrics.jsonl and TensorBoard, as in training
     held_prompts = list(PromptDataset.from_config(cfg.data, trainer.tokenizer, split="val"))
 
     def accuracy() -> float:  # greedy, one sample: avg@1 = pass@1

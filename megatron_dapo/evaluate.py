@@ -40,6 +40,7 @@ from typing import Any
 from megatron_dapo.cli import argument_parser, quiet_libraries, run_cli, tool_log
 from megatron_dapo.convert.resolve import RUN_CONFIG
 from megatron_dapo.reward.accuracy import accuracy_at_k
+from megatron_dapo.types import EvalRequest
 
 FLAG_KEYS = {
     "k": "eval.k",
@@ -188,20 +189,28 @@ def problem_records(prompts: list, groups: list, scored: Any) -> list[dict[str, 
     return records
 
 
-def evaluate(engine, pool, prompts: list, cfg, batch_size: int, stop_token_ids: list[int], out=None) -> list[dict]:
-    """cfg.eval.k responses per prompt, generated batch_size problems at a time and scored; records in order.
+def evaluate(
+    engine,
+    pool,
+    prompts: list,
+    request: EvalRequest,
+    seed: int,
+    batch_size: int,
+    stop_token_ids: list[int],
+    out=None,
+) -> list[dict]:
+    """request.k responses per prompt, generated batch_size problems at a time and scored; records in order.
 
-    engine: a RolloutEngine; pool: a RewardPool; cfg: the Config (eval section, seed, rollout.max_response_length);
-    out: an open text file that gets each batch's records as JSON lines, or None. The loop is the trainer's
-    (rollout/held_out.py), in a world of one process and one engine.
+    engine: a RolloutEngine; pool: a RewardPool; request: the eval section's (placement/evaluation.py's
+    held_out_request); seed: the run's seed; out: an open text file that gets each batch's records as JSON lines, or
+    None. The loop is the trainer's (rollout/held_out.py), in a world of one process and one engine.
     """
     from megatron_dapo.model.comm import Comm
     from megatron_dapo.rollout.held_out import HeldOutEval
 
-    e, records = cfg.eval, []
-    held_out = HeldOutEval(engine, pool, Comm(), tp=1, seed=cfg.seed, stop_token_ids=stop_token_ids)
-    max_tokens = e.max_response_length or cfg.rollout.max_response_length
-    for batch, groups, scored in held_out.batches(prompts, e.k, e.temperature, e.top_p, max_tokens, batch_size):
+    e, records = request, []
+    held_out = HeldOutEval(engine, pool, Comm(), tp=1, seed=seed, stop_token_ids=stop_token_ids)
+    for batch, groups, scored in held_out.batches(prompts, e.k, e.temperature, e.top_p, e.max_tokens, batch_size):
         new = problem_records(batch, groups, scored)
         if out is not None:
             out.writelines(json.dumps(r) + "\n" for r in new)
@@ -261,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.datasets import PromptDataset
+    from megatron_dapo.placement.evaluation import held_out_request
     from megatron_dapo.reward import RewardPool
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
@@ -274,7 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dataset = PromptDataset.from_config(cfg.data, tokenizer, split="val")
     prompts = list(dataset)
     log(f"{args.data}: {len(prompts)} problems ({', '.join(f'{n}={v}' for n, v in dataset.stats.items())})")
-    max_tokens = cfg.eval.max_response_length or cfg.rollout.max_response_length
+    request = held_out_request(cfg)
+    max_tokens = request.max_tokens
     longest = max(len(p.token_ids) for p in prompts)
     tp = cfg.rollout.tp or 1
     with tempfile.TemporaryDirectory(prefix="megatron_dapo_eval_") as tmp:
@@ -296,11 +307,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with RewardPool.from_config(cfg.reward) as pool:
                 t0 = time.perf_counter()
                 with open(args.out, "w") if args.out else contextlib.nullcontext() as out:
-                    records = evaluate(engine, pool, prompts, cfg, args.batch_size, [tokenizer.eos_token_id], out)
+                    records = evaluate(
+                        engine, pool, prompts, request, cfg.seed, args.batch_size, [tokenizer.eos_token_id], out
+                    )
                 seconds = time.perf_counter() - t0
         finally:
             engine.close()
-    return summarize(records, cfg.eval.k, seconds, engine.stats["seconds"])
+    return summarize(records, request.k, seconds, engine.stats["seconds"])
 
 
 def main(argv: list[str] | None = None) -> int:

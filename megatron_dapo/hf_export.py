@@ -123,7 +123,7 @@ def convert(args: argparse.Namespace, source, max_shard: int) -> None:
     arch = source.arch
     cfg = load_config(overrides=["parallel.tp=1", "parallel.pp=1", f"model.dtype={source.dtype}"])
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
-    chunks = build_model_chunks(arch, cfg, layout)
+    chunks = build_model_chunks(arch, cfg.model, layout)
     log(
         f"built {arch.family} model ({arch.num_layers} layers) at tp=1 pp=1 {source.dtype} "
         f"({time.perf_counter() - t0:.1f} s)"

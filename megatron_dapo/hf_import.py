@@ -172,7 +172,7 @@ def convert(args: argparse.Namespace, arch, reader) -> None:
     cfg = _config(args)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
     comm = Comm(layout)
-    chunks = build_model_chunks(arch, cfg, layout)
+    chunks = build_model_chunks(arch, cfg.model, layout)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log(
         f"built {arch.family} model ({arch.num_layers} layers) at tp={layout.tp} pp={layout.pp} {args.dtype}: "

@@ -33,7 +33,7 @@ from megatron_dapo.cli import (  # light: torch must not load before the log set
 )
 
 if TYPE_CHECKING:
-    from megatron_dapo.config import Config
+    from megatron_dapo.config import Config, TrainerConfig
 
 log = logging.getLogger("megatron_dapo.train")
 DROPPED_METRICS = "metrics.dropped.jsonl"
@@ -43,29 +43,31 @@ DROPPED_METRICS = "metrics.dropped.jsonl"
 class MetricSinks:
     """metrics.jsonl, TensorBoard and W&B on rank 0; nothing elsewhere.
 
+    trainer: the trainer section (run_dir, tensorboard, wandb_project). config_yaml: the run's whole config as YAML
+    (config.to_yaml), written to run_dir/config.yaml and given to W&B. active: rank 0.
     resumed_step: the step a resumed run restarts after; metrics.jsonl lines of later steps (written
     by the interrupted run after its last checkpoint) are dropped, so every step appears once.
     """
 
-    def __init__(self, cfg: Config, active: bool, resumed_step: int = 0) -> None:
+    def __init__(self, trainer: TrainerConfig, config_yaml: str, active: bool, resumed_step: int = 0) -> None:
         self.active = active
-        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir = Path(trainer.run_dir)
         self.tb = self.wandb = None
         if not active:
             return
-        from megatron_dapo.config import to_yaml
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(resumed_step)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        if cfg.trainer.tensorboard:
+        (self.run_dir / "config.yaml").write_text(config_yaml)
+        if trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if cfg.trainer.wandb_project:
+        if trainer.wandb_project:
             import wandb  # optional: only when configured
+            import yaml
 
-            self.wandb = wandb.init(project=cfg.trainer.wandb_project, dir=str(self.run_dir), config=_plain(cfg))
+            config = yaml.safe_load(config_yaml)
+            self.wandb = wandb.init(project=trainer.wandb_project, dir=str(self.run_dir), config=config)
 
     def _truncate(self, resumed_step: int) -> None:
         """Lines of steps after resumed_step move to metrics.dropped.jsonl (appended: what the interrupted run
@@ -107,12 +109,6 @@ class MetricSinks:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _plain(cfg: Config) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 class StopSignals:
@@ -231,13 +227,14 @@ def train(config: str | None, overrides: list[str]) -> int | None:
 
 
 def _train(cfg: Config, stop: StopSignals) -> None:
+    from megatron_dapo.config import to_yaml
     from megatron_dapo.trainer import Trainer
 
     trainer = Trainer(cfg)  # closes what it started if it raises
     sinks = None
     try:
         rank0 = trainer.layout.rank == 0
-        sinks = MetricSinks(cfg, rank0, resumed_step=trainer.step)
+        sinks = MetricSinks(cfg.trainer, to_yaml(cfg), rank0, resumed_step=trainer.step)
         stop.running = True
         t_start = time.perf_counter()
         while trainer.step < cfg.trainer.total_steps:

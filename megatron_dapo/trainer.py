@@ -158,13 +158,13 @@ class Trainer:
         timeout_s = cfg.trainer.collective_timeout_s
         self.layout = init_parallel(self.arch, cfg.parallel, cfg.model, cfg.seed, timeout_s)
         self.comm = Comm(self.layout)
-        check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg))
+        check_distributed(cfg, self.layout.world_size, self.layout.dp, rollout_tp(cfg.rollout, cfg.parallel))
         self.tokenizer = AutoTokenizer.from_pretrained(hf)
         weights = LazyMegatronWeights(SafetensorsReader(hf), self.arch)
-        self.policy = MegatronPolicy(cfg, self.arch, self.layout, weights)
+        self.policy = MegatronPolicy(self.arch, self.layout, weights, **policy_options(cfg))
         self.reference = self.reference_digest = None
         if cfg.algorithm.kl_coef > 0:  # KL's reference: the starting weights, frozen, sharded like the policy
-            self.reference = MegatronPolicy(cfg, self.arch, self.layout, weights, frozen=True)
+            self.reference = MegatronPolicy(self.arch, self.layout, weights, **policy_options(cfg), frozen=True)
             self.reference_digest = weights_digest(weights, self.comm)  # checked when a checkpoint is resumed
         self.bridge = WeightBridge(
             self.policy.model, self.arch, self.layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest
@@ -379,6 +379,20 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close()
         destroy_parallel()
+
+
+def policy_options(cfg: Config) -> dict[str, Any]:
+    """MegatronPolicy's keyword arguments from the run's Config: the sections it acts on and the values derived
+    across them (the rollout correction in force)."""
+    return dict(
+        model=cfg.model,
+        algorithm=cfg.algorithm,
+        train=cfg.train,
+        optim=cfg.optim,
+        correction=cfg.rollout_correction(),
+        max_response_length=cfg.rollout.max_response_length,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
 
 
 def check_distributed(cfg: Config, world_size: int, dp: int, rollout_tp: int) -> None:

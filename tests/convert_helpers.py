@@ -119,13 +119,14 @@ def _training_worker(argv: list[str]) -> None:
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy, TrainSample
     from megatron_dapo.model.provider import tp_gathered_tensors
+    from megatron_dapo.trainer import policy_options
 
     hf_dir, run, out, *overrides = argv
     base = ["model.dtype=fp32", "optim.lr=1e-2", "optim.warmup_steps=0", f"model.hf_path={hf_dir}"]
     cfg = load_config(overrides=[*base, f"trainer.run_dir={run}", *overrides])
     arch = ModelArch.from_hf_dir(hf_dir)
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
-    policy = MegatronPolicy(cfg, arch, layout, hf_to_megatron(dict(SafetensorsReader(hf_dir)), arch))
+    policy = MegatronPolicy(arch, layout, hf_to_megatron(dict(SafetensorsReader(hf_dir)), arch), **policy_options(cfg))
     g = torch.Generator().manual_seed(0)
     samples = [
         TrainSample(
@@ -173,7 +174,7 @@ def _worker() -> None:
     result = {}
     for ckpt in args.ckpts:
         arch = ModelArch.from_hf_dir(ckpt)  # the checkpoint's own copy of config.json
-        (model,) = build_model_chunks(arch, cfg, layout)
+        (model,) = build_model_chunks(arch, cfg.model, layout)
         load_megatron_checkpoint([model], ckpt)
         model.eval()
         position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()

@@ -15,13 +15,12 @@ from dataclasses import replace
 
 import torch.distributed as dist
 from run_helpers import RunsCode
-from scripted_engine import ScriptedEngine, loader_config, make_dataset
+from scripted_engine import ScriptedEngine, loader_config, make_dataset, make_loader
 
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.parallel import init_plain_world
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.sampling.exchange import deliver, gather_metas, gather_stopped
-from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.sampling.records import GroupMeta, Stopped
 from megatron_dapo.types import Response
 
@@ -102,7 +101,7 @@ def agreement(comm: Comm) -> dict:
         for case, seeds in (("same", (5, 5)), ("different", (5, 6))):
             cfg = small_config(seed=seeds[comm.rank])
             engines = {comm.rank: ScriptedEngine(scripted, capacity=8)}
-            loader = DynamicSamplingLoader(cfg, make_dataset(40), engines, pool, num_engines=2, comm=comm)
+            loader = make_loader(cfg, make_dataset(40), engines, pool, num_engines=2, comm=comm)
             steps, error = [], None
             try:
                 for _ in range(2):
@@ -136,7 +135,7 @@ def free_steps(comm: Comm) -> dict:
             engine_id = comm.rank % num_engines
             engine = SlowEngine(scripted, capacity=8, delay=0.005 * comm.rank)
             owned = {engine_id} if comm.rank < num_engines else set()  # an engine's first rank holds its groups
-            loader = DynamicSamplingLoader(
+            loader = make_loader(
                 cfg, make_dataset(40), {engine_id: engine}, pool, num_engines=num_engines, owned=owned, comm=comm
             )
             steps, free = [], []

@@ -97,6 +97,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
     from megatron_dapo.model.parallel import init_parallel
     from megatron_dapo.model.policy import MegatronPolicy, TrainSample
     from megatron_dapo.model.provider import tp_gathered_tensors
+    from megatron_dapo.trainer import policy_options
 
     # adam_eps well above fp32 noise in the grads: a first Adam step is ~lr * sign(g), which
     # would turn 1e-9 differences in near-zero grads into lr-sized differences in the weights
@@ -111,7 +112,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
 
     _EAGER.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)
     _EAGER.setdefault("torch_compile_restored", torch.compile is _TORCH_COMPILE)
-    policy = MegatronPolicy(cfg, arch, layout, torch.load(os.path.join(args.case, "weights.pt")))
+    policy = MegatronPolicy(arch, layout, torch.load(os.path.join(args.case, "weights.pt")), **policy_options(cfg))
     schedule, passes = policy._forward_backward, []  # each pass of Megatron's schedule: (forward_only, micro-batches)
     policy._forward_backward = lambda **kw: (
         passes.append((kw["forward_only"], kw["num_microbatches"])) or schedule(**kw)
@@ -375,6 +376,7 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     from megatron_dapo.checkpoint import CheckpointManager
     from megatron_dapo.model.policy import MegatronPolicy
     from megatron_dapo.model.provider import tp_gathered_tensors
+    from megatron_dapo.trainer import policy_options
 
     def step(p):
         logps = p.compute_logprobs(samples, 0.9)
@@ -398,7 +400,7 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
     manager.save(policy, 2, {})
 
     # a fresh policy with random weights, resumed from step 1 (named explicitly), trains step 2 again
-    fresh = MegatronPolicy(cfg, arch, layout, None)
+    fresh = MegatronPolicy(arch, layout, None, **policy_options(cfg))
     state = manager.load(fresh, manager.root / "step_00000001")
     resumed_random = random.random()
     second_b = step(fresh)
@@ -419,10 +421,10 @@ def resume(policy, samples, mine, cfg, arch, layout, out: str) -> dict:
         for f in (manager.root / "step_00000002" / "dist").glob("*.distcp"):
             f.write_bytes(b"garbage")
     dist.barrier()
-    fallback = manager.load(MegatronPolicy(cfg, arch, layout, None))
+    fallback = manager.load(MegatronPolicy(arch, layout, None, **policy_options(cfg)))
 
     # the never-stepped checkpoint resumes into the first step the uninterrupted policy took
-    restarted = MegatronPolicy(cfg, arch, layout, None)
+    restarted = MegatronPolicy(arch, layout, None, **policy_options(cfg))
     never.load(restarted)
     first_b = step(restarted)
     weights_first_b = tp_gathered_tensors(restarted.model, arch, layout)

@@ -14,10 +14,11 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron_dapo.config import Config, SamplerConfig
 from megatron_dapo.rollout.engine import GroupRequest
+from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.types import Prompt, Response
 
 Script = Callable[[int, int, int], tuple[int, bool]]
@@ -56,6 +57,24 @@ def loader_config(sampler: Optional[SamplerConfig] = None, **fields) -> Config:
         section = next(s for s in LOADER_SECTIONS if name in {f.name for f in dataclasses.fields(getattr(cfg, s))})
         setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+def make_loader(cfg: Config, dataset: list[Prompt], engines: dict, scorer: Any, **kw: Any) -> DynamicSamplingLoader:
+    """A DynamicSamplingLoader over cfg's sections and the values derived across them, as build_rollout_parts
+    (placement/colocated.py) makes one; kw: its other keyword arguments (num_engines, owned, comm, ...)."""
+    return DynamicSamplingLoader(
+        dataset,
+        engines,
+        scorer,
+        algorithm=cfg.algorithm,
+        sampler=cfg.sampler,
+        rollout=cfg.rollout,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        lockstep=cfg.lockstep(),
+        overlong_soft_max=cfg.overlong_soft_max(),
+        **kw,
+    )
 
 
 def answer_text(prompt: int, correct: bool) -> str:

@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scripted_engine import ScriptedEngine, loader_config, make_dataset
+from scripted_engine import ScriptedEngine, loader_config, make_dataset, make_loader
 
 from megatron_dapo.config import ConfigError, SamplerConfig, load_config
 from megatron_dapo.reward import RewardPool
@@ -37,7 +37,7 @@ def loader(dataset, engine, pool, **kw):
     groups of G, responses up to 100 tokens with a 20-token overlong buffer, ticks of 2 steps, fill by default."""
     kw = {"group_size": G, "max_response_length": 100, "overlong_buffer_len": 20, "tick_steps": 2, "mode": "fill"} | kw
     engines = engine if isinstance(engine, dict) else {0: engine}
-    return DynamicSamplingLoader(loader_config(**kw), dataset, engines, pool, num_engines=len(engines))
+    return make_loader(loader_config(**kw), dataset, engines, pool, num_engines=len(engines))
 
 
 def correct_first(num_correct, length=lambda p, j: 5):
@@ -271,7 +271,7 @@ def test_a_state_merged_over_ranks_loads_as_each_rank_s_share(pool):
     def two_engines(owned=None):
         engines = {0: ScriptedEngine(script, capacity=4), 1: ScriptedEngine(script, capacity=4)}
         cfg = loader_config(group_size=G, max_response_length=100, overlong_buffer_len=20, tick_steps=2, **kw)
-        return DynamicSamplingLoader(cfg, make_dataset(23), engines, pool, num_engines=2, owned=owned)
+        return make_loader(cfg, make_dataset(23), engines, pool, num_engines=2, owned=owned)
 
     whole = two_engines()
     for _ in range(3):
@@ -347,7 +347,7 @@ def test_the_config_reaches_the_loader_and_bad_engines(pool, tmp_path, monkeypat
             "optim.mini_batch_size=8",
         ]
     )
-    ds = DynamicSamplingLoader(cfg, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, j < 2))}, pool)
+    ds = make_loader(cfg, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, j < 2))}, pool)
     assert (ds.group_size, ds.scheduler.cfg.train_batch_size, ds.max_response_length) == (4, 2, 20480)
     assert ds.scheduler.cfg.mode == "stream"  # the default
     assert len(ds.next_batch().groups) == 2
@@ -366,7 +366,7 @@ def test_the_config_reaches_the_loader_and_bad_engines(pool, tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_group_filter("my_filters:keep_all")(None) is True
     # the config's filter reaches the loader: every group all wrong, so only keep_all can fill the batch
-    kept = DynamicSamplingLoader(
+    kept = make_loader(
         load_config(overrides=[*cfg_overrides(), "sampler.filter=my_filters:keep_all", "sampler.max_gen_batches=1"]),
         make_dataset(4),
         {0: ScriptedEngine(lambda p, j, s: (3, False))},
@@ -381,7 +381,7 @@ def test_the_config_reaches_the_loader_and_bad_engines(pool, tmp_path, monkeypat
     ]:
         bad = load_config(overrides=[*cfg_overrides(), f"sampler.filter={spec}"])
         with pytest.raises(ConfigError, match=f"sampler.filter=.*{why}"):
-            DynamicSamplingLoader(bad, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, True))}, pool)
+            make_loader(bad, make_dataset(4), {0: ScriptedEngine(lambda p, j, s: (3, True))}, pool)
 
 
 def cfg_overrides():

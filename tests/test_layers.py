@@ -257,3 +257,68 @@ def test_the_distributed_rule_catches_every_spelling():
         "cmd = ['python', '-m', 'torch.distributed.run']\n"
     )
     assert distributed_uses(kept) == []
+
+
+# ------------------------------------------------------------------ sections flow whole
+
+ROOT_CONFIG_MODULES = {"megatron_dapo.config", "megatron_dapo.config.rules"}
+ROOT_CONFIG_TAKERS = {"megatron_dapo.trainer.Trainer.__init__"}
+"""The constructors that may take the root Config: the trainer composes the run, so it picks the tree apart."""
+
+
+def root_config_takers(module: str, source: str) -> list[str]:
+    """'module.Class.method' for each __init__ or classmethod in source with a parameter annotated with the root
+    Config (as imported from megatron_dapo.config or config.rules, under any name; inside Optional[...] or a string
+    too). A component takes the sections it acts on and the values derived across them, never the whole tree."""
+    tree = ast.parse(source)
+    names = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in ROOT_CONFIG_MODULES
+        for a in node.names
+        if a.name == "Config"
+    }
+
+    def mentions(annotation: ast.expr | None) -> bool:
+        for node in ast.walk(annotation) if annotation is not None else ():
+            if isinstance(node, ast.Name) and node.id in names:
+                return True
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if mentions(ast.parse(node.value, mode="eval").body):
+                    return True
+        return False
+
+    found = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            classmethod_ = any(isinstance(d, ast.Name) and d.id == "classmethod" for d in fn.decorator_list)
+            if fn.name != "__init__" and not classmethod_:
+                continue
+            a = fn.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            if any(mentions(p.annotation) for p in params):
+                found.append(f"{module}.{cls.name}.{fn.name}")
+    return found
+
+
+def test_no_component_takes_the_root_config(sources):
+    takers = [t for m, (src, _) in sources.items() for t in root_config_takers(m, src)]
+    assert sorted(set(takers) - ROOT_CONFIG_TAKERS) == []
+    assert set(takers) == ROOT_CONFIG_TAKERS  # the check sees the one it allows
+
+
+def test_the_root_config_rule_catches_every_spelling():
+    source = (
+        "from typing import Optional\n"
+        "from megatron_dapo.config import Config as Root, ModelConfig\n"
+        "from megatron_dapo.config.rules import Config\n"
+        "class A:\n    def __init__(self, cfg: Root): ...\n"
+        "class B:\n    @classmethod\n    def from_config(cls, *, cfg: Optional[Config] = None): ...\n"
+        "class C:\n    def __init__(self, cfg: 'Config'): ...\n"
+        "class D:\n    def __init__(self, model: ModelConfig): ...\n    def f(self, cfg: Config): ...\n"
+    )
+    assert root_config_takers("m", source) == ["m.A.__init__", "m.B.from_config", "m.C.__init__"]
+    other = "from elsewhere import Config\nclass E:\n    def __init__(self, cfg: Config): ...\n"
+    assert root_config_takers("m", other) == []

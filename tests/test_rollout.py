@@ -320,15 +320,15 @@ def test_bad_arguments_are_rejected(engine, prompts):
         engine.generate([[1] * 300], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
 
 
-def test_from_config_maps_the_trainer_config(monkeypatch):
+def test_from_config_maps_the_trainer_sections(monkeypatch):
     from megatron_dapo.config import load_config
 
     seen = {}
     monkeypatch.setattr(VLLMEngine, "__init__", lambda self, **kw: seen.update(kw))
     cfg = load_config(None, ["model.hf_path=/models/qwen", "model.dtype=bf16", "seed=3"])
-    VLLMEngine.from_config(cfg, gpu_memory_utilization=0.4)
+    VLLMEngine.from_config(cfg.model, cfg.rollout, tp=2, max_prompt_length=100, seed=3, gpu_memory_utilization=0.4)
     assert seen["model_path"] == "/models/qwen" and seen["dtype"] == "bf16" and seen["seed"] == 3
-    assert seen["max_model_len"] == cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    assert seen["max_model_len"] == 100 + cfg.rollout.max_response_length and seen["tensor_parallel_size"] == 2
     assert seen["gpu_memory_utilization"] == 0.4
 
 

@@ -158,7 +158,7 @@ def test_weights_and_biases_logs_every_metrics_line_at_its_step(two_steps):
 def test_metric_sinks_drop_what_follows_the_resumed_step_and_log_each_step_to_wandb(seed, tmp_path, monkeypatch):
     """A run resumed from step 2 keeps metrics.jsonl's lines up to step 2, drops the step 3 the interrupted run wrote
     after its last checkpoint, and appends its own; W&B (offline) logs each line at its step."""
-    from megatron_dapo.config import Config
+    from megatron_dapo.config import Config, to_yaml
     from megatron_dapo.train import MetricSinks
 
     rng = random.Random(seed)
@@ -175,7 +175,7 @@ def test_metric_sinks_drop_what_follows_the_resumed_step_and_log_each_step_to_wa
         monkeypatch.setenv(k, v)
     cfg = Config()
     cfg.trainer.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project = str(run), False, "sinks"
-    sinks = MetricSinks(cfg, active=True, resumed_step=2)
+    sinks = MetricSinks(cfg.trainer, to_yaml(cfg), active=True, resumed_step=2)
     try:
         assert metrics(run) == interrupted[:2]
         resumed = [line(3), line(4)]

@@ -28,12 +28,15 @@ def measure(seed: int, prompts: int, n: int, max_tokens: int, work: str) -> dict
     from megatron_dapo.preflight.moe_checks import replay_mismatch, stream_with_routes
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.weight_bridge import WeightBridge
+    from megatron_dapo.trainer import policy_options
 
     path = build_tiny_qwen3_moe(f"{work}/moe-{seed}", seed=seed)
     arch = ModelArch.from_hf_dir(path)
     cfg = load_config(overrides=[f"model.hf_path={path}", "model.dtype=fp32"])
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
-    policy = MegatronPolicy(cfg, arch, layout, hf_to_megatron(dict(SafetensorsReader(path).items()), arch))
+    policy = MegatronPolicy(
+        arch, layout, hf_to_megatron(dict(SafetensorsReader(path).items()), arch), **policy_options(cfg)
+    )
     engine = VLLMEngine(str(path), dtype="bfloat16", max_model_len=256, seed=seed, load_format="dummy",
                         capture_routes=True)  # fmt: skip
     try:  # the engine's shutdown ends the process group: everything distributed happens before it

@@ -309,6 +309,7 @@ def main() -> None:
     from megatron_dapo.model.policy import MegatronPolicy
     from megatron_dapo.rollout.vllm_env import rollout_tp
     from megatron_dapo.rollout.weight_bridge import WeightBridge
+    from megatron_dapo.trainer import policy_options
 
     model_dir = None if args.shape else _model_dir(args)
     arch = shape_arch(args.shape, args.prompt_len + args.max_tokens) if args.shape else ModelArch.from_hf_dir(model_dir)
@@ -331,7 +332,7 @@ def main() -> None:
             trainer = None
             layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
             weights = LazyMegatronWeights(SafetensorsReader(model_dir), arch) if model_dir else None
-            policy = MegatronPolicy(cfg, arch, layout, weights)
+            policy = MegatronPolicy(arch, layout, weights, **policy_options(cfg))
             engine, bridge = (
                 _CountingSink(cfg.rollout.quantization),
                 WeightBridge(policy.model, arch, layout, cfg.rollout.bucket_bytes, cfg.rollout.weight_digest),
@@ -349,7 +350,7 @@ def main() -> None:
             "skipped": {p: why for p in parts if p in ENGINE_PARTS and why},
         }
         if "rollout" in parts and trainer:
-            per_engine = rollout_tp(cfg)
+            per_engine = rollout_tp(cfg.rollout, cfg.parallel)
             result.update(_rollout(engine, policy, arch.vocab_size, args, per_engine, layout.world_size // per_engine))
         if "train" in parts:
             result.update(_train(policy, arch, layout, args))

@@ -51,6 +51,7 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.model.parallel import destroy_parallel, init_parallel
     from megatron_dapo.model.policy import MegatronPolicy
+    from megatron_dapo.trainer import policy_options
 
     arch = shape_arch(args.shape, args.seq)
     defaults = [f"train.max_tokens_per_microbatch={args.seq}", "optim.warmup_steps=0"]
@@ -58,7 +59,7 @@ def main() -> None:
         defaults.append("model.dtype=fp32")  # CPU bf16 matmuls are emulated and unrepresentative
     cfg = load_config(overrides=[*defaults, *args.overrides])
     layout = init_parallel(arch, cfg.parallel, cfg.model, seed=0)
-    policy = MegatronPolicy(cfg, arch, layout, None)
+    policy = MegatronPolicy(arch, layout, None, **policy_options(cfg))
 
     samples = random_samples(arch.vocab_size, args.batch // layout.dp, args.prompt, args.seq, seed=layout.dp_rank)
     logprob_s, train_s = time_train_step(policy, samples, args.steps)

@@ -185,7 +185,14 @@ def run_ray(config: Optional[str], overrides: list[str], cfg: Config, opts: Opti
         check_resources(ray, opts)
         run_tag = os.environ.get(RUN_TAG_ENV) or new_run_tag()  # every attempt's processes carry it
         for attempt in range(opts.max_restarts + 1):
-            job = Job(ray, opts, slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus), cfg, run_tag, attempt)
+            job = Job(
+                ray,
+                opts,
+                slots_for(opts.nodes, opts.gpus_per_node, rollout_gpus),
+                cfg.trainer.run_dir,
+                run_tag,
+                attempt,
+            )
             try:
                 job.place(paths, stop)
                 if stop.count:
@@ -258,14 +265,15 @@ class Job:
     """One attempt: the placement group, its actors and their trainer processes."""
 
     def __init__(
-        self, ray: Any, opts: Options, slots: list[Slot], cfg: Config, run_tag: str = "", attempt: int = 0
+        self, ray: Any, opts: Options, slots: list[Slot], run_dir: str, run_tag: str = "", attempt: int = 0
     ) -> None:
-        self.ray, self.opts, self.slots, self.cfg = ray, opts, slots, cfg
+        """run_dir: trainer.run_dir, under which each attempt keeps its progress records and stacks."""
+        self.ray, self.opts, self.slots = ray, opts, slots
         self.group: Any = None
         self.actors: list[Any] = []
         self.run_tag = run_tag or new_run_tag()
         # each attempt's progress records and stacks apart: a restart must not read the failed attempt's
-        run = run_log_dir(cfg.trainer.run_dir, {RUN_TAG_ENV: self.run_tag})
+        run = run_log_dir(run_dir, {RUN_TAG_ENV: self.run_tag})
         self.log_dir = str(run.resolve() / f"attempt_{attempt}")
 
     def place(self, paths: list[str], stop: Stop) -> None:

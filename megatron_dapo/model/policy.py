@@ -27,7 +27,7 @@ from megatron_dapo import progress
 from megatron_dapo.algorithm.losses import policy_loss_fn, resolve_loss_impl
 from megatron_dapo.algorithm.policy_loss import loss_metrics, loss_normalizer, reduce_stats
 from megatron_dapo.algorithm.rollout_correction import correction_weight
-from megatron_dapo.config import Config
+from megatron_dapo.config import AlgorithmConfig, Correction, ModelConfig, OptimConfig, TrainConfig
 from megatron_dapo.kernels import fused_runs_on
 from megatron_dapo.model import provider
 from megatron_dapo.model.arch import ModelArch
@@ -56,28 +56,43 @@ class MegatronPolicy:
 
     def __init__(
         self,
-        cfg: Config,
         arch: ModelArch,
         layout: Layout,
         full_weights: Optional[dict[str, torch.Tensor]],
+        *,
+        model: ModelConfig,
+        algorithm: AlgorithmConfig,
+        train: TrainConfig,
+        optim: OptimConfig,
+        correction: Correction,
+        max_response_length: int,
+        use_distributed_optimizer: bool,
         frozen: bool = False,
     ):
         """full_weights: full Megatron tensors (convert.layouts.hf_to_megatron); None keeps Megatron's
-        random initialisation (benchmarks). frozen: the KL reference: the same sharding, no gradient buffers, no
+        random initialisation (benchmarks). model: the model section (precision, recompute, attention); algorithm:
+        the objective, its clipping and KL; train: the micro-batch token budgets and packing; optim: the optimizer and
+        its schedule; correction: the rollout correction in force (Config.rollout_correction()); max_response_length:
+        rollout.max_response_length (the constant some loss aggregations divide by); use_distributed_optimizer:
+        parallel.use_distributed_optimizer. frozen: the KL reference: the same sharding, no gradient buffers, no
         optimizer, compute_logprobs only; with algorithm.ref_offload its weights wait in CPU memory."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.cfg, self.arch, self.layout, self.comm = cfg, arch, layout, Comm(layout)
-        chunks = provider.build_model_chunks(arch, cfg, layout)
+        self.arch, self.layout, self.comm = arch, layout, Comm(layout)
+        self.algorithm, self.correction, self.max_response_length = algorithm, correction, max_response_length
+        self.microbatch_tokens = train.microbatch_tokens
+        self.fp8 = model.fp8 is not None
+        recompute = model.recompute == "full"
+        chunks = provider.build_model_chunks(arch, model, layout)
         if full_weights is not None:
             provider.load_full_weights(chunks, full_weights, arch, layout)
         self._forward_backward = get_forward_backward_func()
         # THD packing needs an attention that takes packed rows (TE's or SDPA's); Megatron's unfused one gets padded
         # rows. Under context parallel THD would need per-sequence zig-zag partitioning: padded rows there too.
-        a = cfg.algorithm
+        a = algorithm
         takes_packed = layout.attention in ("te", "sdpa")
-        self.packed = cfg.train.packed_sequences and takes_packed and layout.cp == 1
+        self.packed = train.packed_sequences and takes_packed and layout.cp == 1
         self.offload = frozen and a.ref_offload and layout.device.type == "cuda"
         self.routing: Optional[Routing] = None
         """The MoE routers of this policy's chunks (model/routing.py); None for a dense model."""
@@ -88,11 +103,13 @@ class MegatronPolicy:
                 if self.offload:
                     chunk.cpu()
             self.model, self.optimizer, self.scheduler = chunks, None, None
-            self._routing(chunks)
+            self._routing(chunks, recompute)
             return
-        self.model = provider.wrap_ddp(chunks, cfg)
-        self._routing(self.model)
-        self.optimizer, self.scheduler = provider.build_optimizer(self.model, cfg)
+        self.model = provider.wrap_ddp(chunks, use_distributed_optimizer)
+        self._routing(self.model, recompute)
+        self.optimizer, self.scheduler = provider.build_optimizer(
+            self.model, optim, dtype=model.dtype, use_distributed_optimizer=use_distributed_optimizer
+        )
         tf_config = chunks[0].config
         self.moe_loss_coeffs = (tf_config.moe_aux_loss_coeff, tf_config.moe_z_loss_coeff)
         """The configured load-balancing and z-loss coefficients: each train step hands Megatron these over the
@@ -116,10 +133,11 @@ class MegatronPolicy:
                 "averages per response (seq-mean-token-mean)", a.policy_loss, a.loss_agg_mode
             )  # fmt: skip
 
-    def _routing(self, chunks: list) -> None:
-        """The routing driver of a MoE model, over the chunks as the schedule hands them to forward_step."""
+    def _routing(self, chunks: list, recompute: bool) -> None:
+        """The routing driver of a MoE model, over the chunks as the schedule hands them to forward_step; recompute:
+        model.recompute is full."""
         if self.arch.is_moe:
-            self.routing = Routing(chunks, self.arch, self.comm, recompute=self.cfg.model.recompute == "full")
+            self.routing = Routing(chunks, self.arch, self.comm, recompute=recompute)
 
     def close(self) -> None:
         """Let this policy's memory go once the caller drops it (a process that builds policies one after
@@ -151,8 +169,8 @@ class MegatronPolicy:
     def _microbatches(self, samples: list[TrainSample], forward_only: bool) -> list[MicroBatch]:
         """This rank's micro-batches of samples for a pass (its context-parallel share of each)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        groups = pack_microbatches(lengths, self.cfg.train.microbatch_tokens(forward_only), self.packed)
-        multiple = row_multiple(self.layout, fp8=self.cfg.model.fp8 is not None)
+        groups = pack_microbatches(lengths, self.microbatch_tokens(forward_only), self.packed)
+        multiple = row_multiple(self.layout, fp8=self.fp8)
         mbs = [collate(samples, g, self.layout.device, multiple, self.packed) for g in groups]
         if self.layout.cp > 1:
             mbs = [slice_for_cp(mb, self.layout.cp, self.layout.cp_rank) for mb in mbs]
@@ -265,7 +283,7 @@ class MegatronPolicy:
         """What the mini-batch's loss sum is divided by (algorithm.loss_normalizer's rule for loss_agg_mode), summed
         over data-parallel ranks (the samples differ)."""
         tokens = torch.tensor([len(s.response_ids) if s.in_loss else 0 for s in samples], dtype=torch.int64)
-        local = loss_normalizer(tokens, self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.max_response_length)
+        local = loss_normalizer(tokens, self.algorithm.loss_agg_mode, self.max_response_length)
         return self.comm.sum([float(local)], "dp", "the token-mean's divisor")[0]
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
@@ -274,7 +292,7 @@ class MegatronPolicy:
         Returns metrics (identical on every rank): actor/loss, actor/grad_norm, actor/lr,
         clip fractions, ratio, approx KL, entropy, tokens, and whether the update was applied.
         """
-        a, correction = self.cfg.algorithm, self.cfg.rollout_correction()
+        a, correction = self.algorithm, self.correction
         eps_low, eps_high = a.clip_bounds()
         kl_term = a.kl_coef > 0 and not a.kl_in_reward
         if self.is_last_stage and any(s.old_logp is None for s in samples):
@@ -306,7 +324,7 @@ class MegatronPolicy:
                 is_weight=mb.is_weight,
                 loss_agg_mode=a.loss_agg_mode,
                 log_ratio_clamp=a.log_ratio_clamp,
-                max_response_length=self.cfg.rollout.max_response_length,
+                max_response_length=self.max_response_length,
                 ref_logp=mb.ref_logp if kl_term else None,
                 kl_coef=a.kl_coef,
                 kl_estimator=a.kl_estimator,

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import Config
+from megatron_dapo.config import ModelConfig, OptimConfig
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.model.dtypes import torch_dtype
@@ -39,11 +39,10 @@ def padded_vocab_size(arch: ModelArch, tp: int) -> int:
     return -(-arch.vocab_size // multiple) * multiple
 
 
-def transformer_config(arch: ModelArch, cfg: Config, layout: Layout):
-    """Megatron TransformerConfig for the arch, precision, recompute and layout."""
+def transformer_config(arch: ModelArch, m: ModelConfig, layout: Layout):
+    """Megatron TransformerConfig for the arch, the model section's precision and recompute, and the layout."""
     from megatron.core.transformer import TransformerConfig
 
-    m = cfg.model
     dtype = torch_dtype(m.dtype)
     kwargs = {}
     if m.fp8 is not None:
@@ -217,16 +216,17 @@ def _set_core_attention(spec, layout: Layout, varlen_attention: bool) -> None:
         attention.core_attention = DotProductAttention
 
 
-def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
-    """GPTModel chunks of this pipeline rank (one, or vpp with the interleaved schedule), not yet wrapped."""
+def build_model_chunks(arch: ModelArch, model: ModelConfig, layout: Layout) -> list:
+    """GPTModel chunks of this pipeline rank (one, or vpp with the interleaved schedule), not yet wrapped. model: the
+    model section (precision, recompute, attention)."""
     from megatron.core.models.gpt import GPTModel
 
-    tf_config = transformer_config(arch, cfg, layout)
+    tf_config = transformer_config(arch, model, layout)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
-        spec = layer_spec(arch, layout, tf_config, cfg.model.varlen_attention, vp)
-        model = GPTModel(
+        spec = layer_spec(arch, layout, tf_config, model.varlen_attention, vp)
+        chunk = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(arch, layout.tp),
@@ -242,23 +242,24 @@ def build_model_chunks(arch: ModelArch, cfg: Config, layout: Layout) -> list:
         # Every parameter in the model's dtype, as Megatron's Float16Module makes it: the local spec's torch norms
         # are built float32 whatever params_dtype says, and a bf16 model with fp32 norms breaks the distributed
         # optimizer's checkpoint (its parameter order mixes the two dtypes: a bf16 save raised an AssertionError)
-        for p in model.parameters():
+        for p in chunk.parameters():
             if p.dtype != tf_config.params_dtype:
                 p.data = p.data.to(tf_config.params_dtype)
         if torch.cuda.is_available():
-            model.cuda(torch.cuda.current_device())
-        chunks.append(model)
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
     return chunks
 
 
-def wrap_ddp(chunks: list, cfg: Config) -> list:
-    """Megatron DDP around each chunk: fp32 grad buffers, reduced once per mini-batch."""
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
+    """Megatron DDP around each chunk: fp32 grad buffers, reduced once per mini-batch. use_distributed_optimizer:
+    parallel.use_distributed_optimizer (the buffers then hold each rank's shard of the optimizer state)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     return [
         DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
@@ -266,13 +267,14 @@ def wrap_ddp(chunks: list, cfg: Config) -> list:
     ]
 
 
-def build_optimizer(ddp_chunks: list, cfg: Config):
-    """AdamW (decoupled weight decay, none on biases and norms), grad-norm clipping, fp32 main params."""
+def build_optimizer(ddp_chunks: list, o: OptimConfig, *, dtype: str, use_distributed_optimizer: bool):
+    """AdamW (decoupled weight decay, none on biases and norms), grad-norm clipping, fp32 main params. o: the optim
+    section; dtype: model.dtype, the parameters' precision; use_distributed_optimizer: parallel's, as wrap_ddp got
+    it."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o = cfg.optim
-    dtype = torch_dtype(cfg.model.dtype)
+    params_dtype = torch_dtype(dtype)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -282,10 +284,10 @@ def build_optimizer(ddp_chunks: list, cfg: Config):
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        params_dtype=dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
     # Linear warm-up from 0 over warmup_steps optimizer steps, then constant (the paper's schedule).

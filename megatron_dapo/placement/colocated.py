@@ -1,8 +1,8 @@
 """The colocated rollout side (pipeline.mode=colocated): the engines, reward pool and loader in the train processes.
 
 ColocatedRollout implements the `Rollout` protocol (protocol.py) with every rank driving its engine share and loader
-(docs/architecture.md); build_rollout_parts builds the engine, pool, evaluator and loader for ColocatedRollout and for
-the asynchronous rollout processes (controller.py) alike.
+(docs/architecture.md); colocated_rollout builds it from the run's Config. build_rollout_parts builds the engine, pool,
+evaluator and loader for ColocatedRollout and for the asynchronous rollout processes (controller.py) alike.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, ModelConfig
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.placement.evaluation import Evaluation, Evaluator, Synced
 from megatron_dapo.placement.split import TrainSplit
@@ -61,9 +61,18 @@ def build_rollout_parts(
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.vllm_env import rollout_tp
 
-    tp, stop = rollout_tp(cfg), [tokenizer.eos_token_id]
+    tp, stop = rollout_tp(cfg.rollout, cfg.parallel), [tokenizer.eos_token_id]
     hf = str(Path(cfg.model.hf_path))
-    engine = VLLMEngine.from_config(cfg, model_path=hf, load_format="dummy", enable_sleep_mode=enable_sleep_mode)
+    engine = VLLMEngine.from_config(
+        cfg.model,
+        cfg.rollout,
+        tp=tp,
+        max_prompt_length=cfg.data.max_prompt_length,
+        seed=cfg.seed,
+        model_path=hf,
+        load_format="dummy",
+        enable_sleep_mode=enable_sleep_mode,
+    )
     try:
         pool = RewardPool.from_config(cfg.reward)
     except BaseException:
@@ -71,10 +80,16 @@ def build_rollout_parts(
         raise
     engine_id = comm.rank // tp
     loader = DynamicSamplingLoader(
-        cfg,
         dataset,
         {engine_id: engine},
         pool,
+        algorithm=cfg.algorithm,
+        sampler=cfg.sampler,
+        rollout=cfg.rollout,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        lockstep=cfg.lockstep(),
+        overlong_soft_max=cfg.overlong_soft_max(),
         num_engines=comm.world // tp,
         owned={engine_id} if comm.rank % tp == 0 else set(),
         comm=comm,
@@ -86,6 +101,30 @@ def build_rollout_parts(
     return RolloutParts(engine, pool, evaluator, loader)
 
 
+def colocated_rollout(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, dataset: Sequence[Prompt], comm: Comm, split: TrainSplit
+) -> ColocatedRollout:
+    """This train rank's ColocatedRollout (comm: the train world's); its parts are closed if a later step fails."""
+    from megatron_dapo.model.parallel import arm_group_timeouts
+    from megatron_dapo.rollout.vllm_env import rollout_tp
+
+    parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
+    try:
+        # the engine's groups (vLLM makes them with torch's default) before the first sync runs over them
+        arm_group_timeouts(cfg.trainer.collective_timeout_s)
+        return ColocatedRollout(
+            parts,
+            comm,
+            split,
+            tp=rollout_tp(cfg.rollout, cfg.parallel),
+            route_shape=route_shape(cfg.model, dataset),
+            show_progress=cfg.trainer.progress_bar and comm.rank == 0,
+        )
+    except BaseException:
+        parts.close()
+        raise
+
+
 class ColocatedRollout:
     """The engines in the train processes (pipeline.mode=colocated): each rank drives its engine share and loader;
     the engine sleeps while the policy trains and wakes with the new weights. A batch's responses move to the ranks
@@ -94,22 +133,20 @@ class ColocatedRollout:
 
     def __init__(
         self,
-        cfg: Config,
-        tokenizer: PreTrainedTokenizerBase,
-        dataset: Sequence[Prompt],
+        parts: RolloutParts,
         comm: Comm,
         split: TrainSplit,
+        *,
+        tp: int,
+        route_shape: Optional[Callable[[StepBatch], RouteShape]],
+        show_progress: bool,
     ) -> None:
-        from megatron_dapo.model.parallel import arm_group_timeouts
-        from megatron_dapo.rollout.vllm_env import rollout_tp
-
-        self.comm, self.split = comm, split
-        self.tp = rollout_tp(cfg)
-        self.parts = build_rollout_parts(cfg, tokenizer, dataset, comm)
-        # the engine's groups (vLLM makes them with torch's default) before the first sync runs over them
-        arm_group_timeouts(cfg.trainer.collective_timeout_s)
-        self.route_shape = route_shape(cfg, dataset)
-        self.parts.engine.show_progress = cfg.trainer.progress_bar and comm.rank == 0
+        """parts: this rank's engine, pool, evaluator and loader (build_rollout_parts), closed by close(). comm: the
+        train world's. split: which rank trains which response. tp: ranks per engine (vllm_env.rollout_tp).
+        route_shape: the shape of a batch's routes when the engines capture them (route_shape()), else None.
+        show_progress: the engine's progress bar (trainer.progress_bar, on rank 0)."""
+        self.comm, self.split, self.parts, self.tp, self.route_shape = comm, split, parts, tp, route_shape
+        self.parts.engine.show_progress = show_progress
         self.version: Optional[int] = None  # the engine's weights (None: the dummy ones it started with)
         self.asleep = False
         self.pending: list[Evaluation] = []  # asked for with a sync, not run yet
@@ -187,14 +224,14 @@ class ColocatedRollout:
         self.parts.close()
 
 
-def route_shape(cfg: Config, dataset: Sequence[Prompt]) -> Optional[Callable[[StepBatch], RouteShape]]:
+def route_shape(model: ModelConfig, dataset: Sequence[Prompt]) -> Optional[Callable[[StepBatch], RouteShape]]:
     """batch -> the shape of its responses' routes when the engines capture them (model.router_replay=r3 on a MoE
-    model), else None."""
+    model), else None. model: the model section."""
     from megatron_dapo.model.arch import ModelArch
     from megatron_dapo.model.routing import route_dtype
 
-    arch = ModelArch.from_hf_dir(cfg.model.hf_path)
-    if cfg.model.router_replay != "r3" or not arch.is_moe:
+    arch = ModelArch.from_hf_dir(model.hf_path)
+    if model.router_replay != "r3" or not arch.is_moe:
         return None
 
     def shape(batch: StepBatch) -> RouteShape:

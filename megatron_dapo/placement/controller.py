@@ -113,7 +113,18 @@ def serve(
         loader.load_state_dict(state)
     if batches is not None:
         batches.broadcast_object({"weight_format": engine.weight_format, "batch": loader.version}, src=0)
-    RolloutController(cfg, loader, engine, batches, receiver, comm, evaluator, split).run()
+    RolloutController(
+        loader,
+        engine,
+        batches,
+        receiver,
+        comm,
+        evaluator,
+        split,
+        eta=cfg.sampler.max_staleness,
+        recompute_kv=cfg.pipeline.recompute_kv,
+        timeout_s=cfg.trainer.collective_timeout_s,
+    ).run()
 
 
 def _expect(msg: Any, *cmds: str) -> dict:
@@ -158,7 +169,9 @@ class RolloutController:
     drives (a TickDriver: the weights the engines hold, its service between ticks). engine: the VLLMEngine it
     drives. batches: the batches TransportGroup (rank 0; None elsewhere). receiver: a WeightReceiver over the weights
     group. comm: the rollout side's Comm. evaluator: the engines' Evaluator. split: which train rank trains which
-    response (each gets only those).
+    response (each gets only those). eta: sampler.max_staleness, how many batches collection may run ahead of
+    training. recompute_kv: pipeline.recompute_kv, whether an update re-reads the context of the groups in flight.
+    timeout_s: trainer.collective_timeout_s, the longest wait for the train side.
 
     An evaluation request runs at the first batch boundary (where no group is in flight: the groups still generating
     at a batch's end are paused) at which the engines hold the weights it asks about, before anything else is
@@ -171,7 +184,6 @@ class RolloutController:
 
     def __init__(
         self,
-        cfg: Config,
         loader: DynamicSamplingLoader,
         engine: VLLMEngine,
         batches: Optional[TransportGroup],
@@ -179,12 +191,16 @@ class RolloutController:
         comm: Comm,
         evaluator: Evaluator,
         split: TrainSplit,
+        *,
+        eta: int,
+        recompute_kv: bool,
+        timeout_s: float,
     ) -> None:
-        self.eta = cfg.sampler.max_staleness
+        self.eta = eta
         self.evaluator, self.split = evaluator, split
         self.asked = 0  # evaluation requests read from the store (the next one's number)
         self.evaluations: list[tuple[int, int, EvalRequest]] = []  # (number, version, request) not run yet
-        self.recompute_kv = cfg.pipeline.recompute_kv
+        self.recompute_kv = recompute_kv
         self.loader, self.engine, self.batches, self.receiver, self.comm = loader, engine, batches, receiver, comm
         self.leader = comm.rank == 0
         self.store = batches.store if batches is not None else None
@@ -193,7 +209,7 @@ class RolloutController:
         self.weights_version: Optional[int] = None  # the version of the engines' weights (None: dummy weights)
         self.pauses: list[float] = []  # update pauses since the last batch handed out
         self.e2e: list[float] = []
-        self.timeout_s = cfg.trainer.collective_timeout_s  # the longest wait for the train side
+        self.timeout_s = timeout_s
 
     # the loader's TickDriver
     def weights(self) -> int:

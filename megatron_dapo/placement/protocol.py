@@ -92,9 +92,9 @@ def make_rollout(
             split,
         )
     else:
-        from megatron_dapo.placement.colocated import ColocatedRollout
+        from megatron_dapo.placement.colocated import colocated_rollout
 
-        rollout = ColocatedRollout(cfg, tokenizer, dataset, comm, split)
+        rollout = colocated_rollout(cfg, tokenizer, dataset, comm, split)
     try:
         rollout.start(state, weights, version)
     except BaseException:

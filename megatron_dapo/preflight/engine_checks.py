@@ -67,6 +67,7 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
     from megatron_dapo.model.tiny import build_tiny_qwen2
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.weight_bridge import WeightBridge
+    from megatron_dapo.trainer import policy_options
 
     cuda = torch.cuda.is_available()
     count, plen, new = (8, 16, 8) if ctx["fast"] else (32, 16, 16)
@@ -89,7 +90,7 @@ def _bridge(ctx: dict, tmp: Path, quantization: str = "none") -> Result:
             tol_mean, tol_max = 0.1, 1.0
     cfg = step_config(plen + new, f"rollout.quantization={quantization}")
     layout = init_world(arch, cfg)
-    policy = MegatronPolicy(cfg, arch, layout, weights)
+    policy = MegatronPolicy(arch, layout, weights, **policy_options(cfg))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (plen,), generator=g).tolist() for _ in range(count)]
     engine = VLLMEngine(

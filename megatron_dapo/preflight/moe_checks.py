@@ -131,6 +131,7 @@ def _moe(ctx: dict, tmp: Path) -> Result:
     from megatron_dapo.model.tiny import build_tiny_qwen3_moe
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     from megatron_dapo.rollout.weight_bridge import WeightBridge
+    from megatron_dapo.trainer import policy_options
 
     cuda = torch.cuda.is_available()
     small = cuda and not ctx["fast"]
@@ -141,7 +142,9 @@ def _moe(ctx: dict, tmp: Path) -> Result:
     # between the two (bf16 flips near-tied routes); on a GPU the two bf16 kernels' own
     cfg = step_config(PROMPT_LEN + new, f"model.hf_path={path}", "model.router_replay=r3")
     layout = init_world(arch, cfg)
-    policy = MegatronPolicy(cfg, arch, layout, hf_to_megatron(dict(SafetensorsReader(path).items()), arch))
+    policy = MegatronPolicy(
+        arch, layout, hf_to_megatron(dict(SafetensorsReader(path).items()), arch), **policy_options(cfg)
+    )
     engine = VLLMEngine(
         str(path),
         dtype="bfloat16",

@@ -19,13 +19,14 @@ def _time_step(peak: float, shape: str, seq: int, batch: int, steps: int, *overr
 
     from megatron_dapo.model.perf import random_samples, shape_arch, spec_tflops, time_train_step, train_rates
     from megatron_dapo.model.policy import MegatronPolicy
+    from megatron_dapo.trainer import policy_options
 
     arch = shape_arch(shape, seq)
     cfg = step_config(seq, *overrides)
     layout = init_world(arch, cfg)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    policy = MegatronPolicy(cfg, arch, layout, None)
+    policy = MegatronPolicy(arch, layout, None, **policy_options(cfg))
     try:
         samples = random_samples(arch.vocab_size, batch, seq // 4, seq, seed=0)
         logprob_s, train_s = time_train_step(policy, samples, steps)
@@ -102,8 +103,9 @@ def _two_steps(cfg, arch, layout, weights, batch: int, seq: int):
     from megatron_dapo.model.perf import random_samples
     from megatron_dapo.model.policy import MegatronPolicy
     from megatron_dapo.model.provider import tp_gathered_tensors
+    from megatron_dapo.trainer import policy_options
 
-    policy = MegatronPolicy(cfg, arch, layout, weights)
+    policy = MegatronPolicy(arch, layout, weights, **policy_options(cfg))
     start = (
         weights
         if weights is not None
@@ -174,6 +176,7 @@ def check_te(ctx: dict) -> Result:
     from megatron_dapo.model.perf import random_samples, shape_arch
     from megatron_dapo.model.policy import MegatronPolicy
     from megatron_dapo.model.provider import tp_gathered_tensors
+    from megatron_dapo.trainer import policy_options
 
     n: dict[str, Any] = {"cuda": torch.version.cuda, "te": version("transformer-engine")}
     peak = peak_tflops(ctx, torch.bfloat16)
@@ -197,7 +200,7 @@ def check_te(ctx: dict) -> Result:
     logps, weights = {}, None
     for name, overrides in (("local", ()), ("te", TE), ("te_padded", (*TE, "train.packed_sequences=false"))):
         cfg = step_config(seq, *overrides)
-        policy = MegatronPolicy(cfg, arch, init_world(arch, cfg), weights)
+        policy = MegatronPolicy(arch, init_world(arch, cfg), weights, **policy_options(cfg))
         if weights is None:
             weights = {k: v.cpu() for k, v in tp_gathered_tensors(policy.model, arch, policy.layout).items()}
         logps[name] = torch.cat([lp["logp"] for lp in policy.compute_logprobs(samples, 1.0)])
@@ -233,11 +236,12 @@ def check_profile(ctx: dict) -> Result:
 
     from megatron_dapo.model.perf import random_samples, shape_arch, time_train_step
     from megatron_dapo.model.policy import MegatronPolicy
+    from megatron_dapo.trainer import policy_options
 
     shape, seq, batch = ("tiny", 512, 2) if ctx["fast"] else ("qwen2.5-1.5b", 4096, 8)
     arch = shape_arch(shape, seq)
     cfg = step_config(seq)
-    policy = MegatronPolicy(cfg, arch, init_world(arch, cfg), None)
+    policy = MegatronPolicy(arch, init_world(arch, cfg), None, **policy_options(cfg))
     samples = random_samples(arch.vocab_size, batch, seq // 4, seq, seed=0)
     time_train_step(policy, samples, 1)  # warm-up steps: the allocator's pools, kernels chosen
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

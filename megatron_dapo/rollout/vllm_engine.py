@@ -38,6 +38,7 @@ import torch
 
 from megatron_dapo import progress
 from megatron_dapo.choices import ROLLOUT_QUANTIZATIONS
+from megatron_dapo.config import ModelConfig, RolloutConfig
 from megatron_dapo.model.arch import ModelArch
 from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
 from megatron_dapo.rollout.engine import new_stats
@@ -48,7 +49,6 @@ from megatron_dapo.rollout.vllm_env import (
     cpu_kv_cache_bytes,
     has_cuda,
     preserve_process_state,
-    rollout_tp,
     sampler_rng_state,
     set_engine_env,
     set_sampler_rng_state,
@@ -186,19 +186,30 @@ class VLLMEngine(GenerateMixin, StreamMixin, WeightSyncMixin):
             self.route_capture = self._capture_routes()
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str | None = None, **overrides: Any) -> VLLMEngine:
-        """Build from the trainer's Config: model.hf_path, model.dtype, rollout_tp(cfg), seed, rollout.quantization,
-        max_model_len = data.max_prompt_length + rollout.max_response_length, and route capture when
-        model.router_replay is 'r3' (for a MoE model). overrides win."""
-        path = model_path or cfg.model.hf_path
+    def from_config(
+        cls,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        *,
+        tp: int,
+        max_prompt_length: int,
+        seed: int,
+        model_path: str | None = None,
+        **overrides: Any,
+    ) -> VLLMEngine:
+        """Build from the trainer's sections: model (hf_path unless model_path, dtype, route capture when
+        router_replay is 'r3' for a MoE model) and rollout (quantization; max_model_len = max_prompt_length, i.e.
+        data.max_prompt_length, + rollout.max_response_length). tp: ranks per engine (vllm_env.rollout_tp); seed:
+        the run's seed. overrides win."""
+        path = model_path or model.hf_path
         kwargs = dict(
             model_path=path,
-            tensor_parallel_size=rollout_tp(cfg),
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-            seed=cfg.seed,
-            quantization=cfg.rollout.quantization,
-            capture_routes=cfg.model.router_replay == "r3" and ModelArch.from_hf_dir(path).is_moe,
+            tensor_parallel_size=tp,
+            dtype=model.dtype,
+            max_model_len=max_prompt_length + rollout.max_response_length,
+            seed=seed,
+            quantization=rollout.quantization,
+            capture_routes=model.router_replay == "r3" and ModelArch.from_hf_dir(path).is_moe,
         )
         kwargs.update(overrides)
         return cls(**kwargs)

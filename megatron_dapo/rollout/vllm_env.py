@@ -19,10 +19,10 @@ import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from megatron_dapo.config import ParallelConfig, RolloutConfig
 from megatron_dapo.model.dtypes import HF_DTYPE_NAMES
 
 SUPPORTED_VLLM = ">=0.25.0,<0.34"
@@ -112,9 +112,9 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def rollout_tp(cfg: Any) -> int:
+def rollout_tp(rollout: RolloutConfig, parallel: ParallelConfig) -> int:
     """Ranks per engine: rollout.tp (None = parallel.tp) on GPU; 1 on CPU, where each rank's engine runs in-process."""
-    return (cfg.rollout.tp or cfg.parallel.tp) if has_cuda() else 1
+    return (rollout.tp or parallel.tp) if has_cuda() else 1
 
 
 def set_engine_env(on_gpu: bool) -> None:

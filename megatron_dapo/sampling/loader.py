@@ -37,7 +37,7 @@ from typing import Any, Optional, Protocol, TypedDict
 
 from megatron_dapo import progress
 from megatron_dapo.choices import ROUND_SAMPLER_MODES
-from megatron_dapo.config import Config
+from megatron_dapo.config import AlgorithmConfig, RolloutConfig, SamplerConfig
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.rollout.engine import GroupRequest, StreamingEngine
 from megatron_dapo.sampling.exchange import gather_metas, gather_stopped
@@ -105,23 +105,33 @@ class DynamicSamplingLoader:
 
     dataset: the prompts (every rank holds the same dataset). engines: {engine id: engine} this rank
     drives (one on CPU; on GPU every rank of an engine's tensor-parallel group drives it and only
-    the first one owns its groups: `owned`). num_engines: engines in the world. scorer: the reward
-    pool. comm: the collectives (None: one process).
+    the first one owns its groups: `owned`). scorer: the reward pool. algorithm: the group size, dynamic sampling
+    and the overlong shaping; sampler: the sampler section (scheduler.py); rollout: the sampling parameters
+    (temperature, top_p, max_response_length). seed: the run's seed (the prompt order, each group's sampling seeds);
+    shuffle: data.shuffle. lockstep: Config.lockstep(), whether the engines wait for each other at every tick;
+    overlong_soft_max: Config.overlong_soft_max(). num_engines: engines in the world. comm: the collectives (None:
+    one process). stop_token_ids: the tokens that end a response.
     """
 
     def __init__(
         self,
-        cfg: Config,
         dataset: Sequence[Prompt],
         engines: Mapping[int, StreamingEngine],
         scorer: AsyncScorer,
         *,
+        algorithm: AlgorithmConfig,
+        sampler: SamplerConfig,
+        rollout: RolloutConfig,
+        seed: int,
+        shuffle: bool,
+        lockstep: bool,
+        overlong_soft_max: int,
         num_engines: int = 1,
         owned: Optional[set[int]] = None,
         comm: Optional[Comm] = None,
         stop_token_ids: Optional[list[int]] = None,
     ) -> None:
-        a, s, r = cfg.algorithm, cfg.sampler, cfg.rollout
+        a, s, r = algorithm, sampler, rollout
         self.dataset = dataset
         self.engines = dict(engines)
         self.owned = set(self.engines) if owned is None else set(owned)
@@ -133,14 +143,14 @@ class DynamicSamplingLoader:
             len(dataset),
             num_engines,
             group_size=a.group_size,
-            seed=cfg.seed,
+            seed=seed,
             dynamic_sampling=a.dynamic_sampling or filter_fn is not None,
-            shuffle=cfg.data.shuffle,
+            shuffle=shuffle,
         )
         self.group_size = a.group_size
         self.tick_steps = s.tick_steps
         # sampler.lockstep off: engines that have run their tick's steps go on generating until every rank has
-        self.free = not cfg.lockstep() and s.mode == "stream" and self.comm.world > 1
+        self.free = not lockstep and s.mode == "stream" and self.comm.world > 1
         # the ranks that drive one engine (rollout.tp) must step it together: its first rank decides for them
         self._everyone, self._engine_ranks = (
             self.comm.host_groups(self.comm.world // num_engines) if self.free else (None, None)
@@ -150,7 +160,7 @@ class DynamicSamplingLoader:
             temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length, stop_token_ids=stop_token_ids
         )
         self.max_response_length = r.max_response_length
-        self.shaping = GroupShaping(a, r.max_response_length, cfg.overlong_soft_max(), filter_fn)
+        self.shaping = GroupShaping(a, r.max_response_length, overlong_soft_max, filter_fn)
         # this rank's share of the state: responses of the groups it owns that outlive a step
         self.finished: dict[int, Group] = {}  # carried-over groups (and, during a step, finished ones)
         self.partial: dict[int, list[Response]] = {}  # paused groups' samples as their engine left them
