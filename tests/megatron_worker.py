@@ -112,6 +112,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
 
     _EAGER.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)
     _EAGER.setdefault("torch_compile_restored", torch.compile is _TORCH_COMPILE)
+    _EAGER.setdefault("wandb_imported", "wandb" in sys.modules)
     policy = MegatronPolicy(arch, layout, torch.load(os.path.join(args.case, "weights.pt")), **policy_options(cfg))
     schedule, passes = policy._forward_backward, []  # each pass of Megatron's schedule: (forward_only, micro-batches)
     policy._forward_backward = lambda **kw: (
