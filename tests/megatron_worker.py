@@ -112,7 +112,8 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
 
     _EAGER.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)
     _EAGER.setdefault("torch_compile_restored", torch.compile is _TORCH_COMPILE)
-    _EAGER.setdefault("wandb_imported", "wandb" in sys.modules)
+    timers = sys.modules.get("megatron.core.timers")  # holds wandb (or None) as Megatron's import found it
+    _EAGER.setdefault("wandb_imported", "wandb" in sys.modules or getattr(timers, "wandb", None) is not None)
     policy = MegatronPolicy(arch, layout, torch.load(os.path.join(args.case, "weights.pt")), **policy_options(cfg))
     schedule, passes = policy._forward_backward, []  # each pass of Megatron's schedule: (forward_only, micro-batches)
     policy._forward_backward = lambda **kw: (
