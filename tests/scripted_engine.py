@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_dapo.config import Config, SamplerConfig
+from megatron_dapo.placement.colocated import loader_options
 from megatron_dapo.rollout.engine import GroupRequest
 from megatron_dapo.sampling.loader import DynamicSamplingLoader
 from megatron_dapo.types import Prompt, Response
@@ -60,21 +61,9 @@ def loader_config(sampler: Optional[SamplerConfig] = None, **fields) -> Config:
 
 
 def make_loader(cfg: Config, dataset: list[Prompt], engines: dict, scorer: Any, **kw: Any) -> DynamicSamplingLoader:
-    """A DynamicSamplingLoader over cfg's sections and the values derived across them, as build_rollout_parts
-    (placement/colocated.py) makes one; kw: its other keyword arguments (num_engines, owned, comm, ...)."""
-    return DynamicSamplingLoader(
-        dataset,
-        engines,
-        scorer,
-        algorithm=cfg.algorithm,
-        sampler=cfg.sampler,
-        rollout=cfg.rollout,
-        seed=cfg.seed,
-        shuffle=cfg.data.shuffle,
-        lockstep=cfg.lockstep(),
-        overlong_soft_max=cfg.overlong_soft_max(),
-        **kw,
-    )
+    """A DynamicSamplingLoader over cfg's settings (placement/colocated.py loader_options, as build_rollout_parts
+    makes one); kw: its other keyword arguments (num_engines, owned, comm, ...)."""
+    return DynamicSamplingLoader(dataset, engines, scorer, **loader_options(cfg), **kw)
 
 
 def answer_text(prompt: int, correct: bool) -> str:

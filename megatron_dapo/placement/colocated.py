@@ -45,6 +45,20 @@ class RolloutParts:
         self.engine.close()
 
 
+def loader_options(cfg: Config) -> dict:
+    """DynamicSamplingLoader's settings from the run's Config: the sections it acts on and the values derived across
+    them (lockstep, the soft overlong maximum)."""
+    return dict(
+        algorithm=cfg.algorithm,
+        sampler=cfg.sampler,
+        rollout=cfg.rollout,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        lockstep=cfg.lockstep(),
+        overlong_soft_max=cfg.overlong_soft_max(),
+    )
+
+
 def build_rollout_parts(
     cfg: Config,
     tokenizer: PreTrainedTokenizerBase,
@@ -83,13 +97,7 @@ def build_rollout_parts(
         dataset,
         {engine_id: engine},
         pool,
-        algorithm=cfg.algorithm,
-        sampler=cfg.sampler,
-        rollout=cfg.rollout,
-        seed=cfg.seed,
-        shuffle=cfg.data.shuffle,
-        lockstep=cfg.lockstep(),
-        overlong_soft_max=cfg.overlong_soft_max(),
+        **loader_options(cfg),
         num_engines=comm.world // tp,
         owned={engine_id} if comm.rank % tp == 0 else set(),
         comm=comm,
