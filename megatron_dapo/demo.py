@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_seconds.append(time.time() - t_start)
     finally:
         sinks.close()
-        trainer.close()
+        trainer.close(exiting=True)  # what follows (the summary, the plot) needs no engine memory back
     after = evals[-1][1]
     say(f"held-out accuracy: before {before:.1%} -> after {after:.1%} in {trainer.step} DAPO steps")
     summary = {"before": before, "after": after, "steps": trainer.step, "seconds": time.time() - t_start}

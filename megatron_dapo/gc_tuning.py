@@ -6,11 +6,14 @@ it has grown by a quarter, which is a fifth to a third of a CPU process's start-
 it 9-11 s in the collector; benchmarks/RESULTS.md). `hold_full_collections` (called when the package is imported)
 keeps the young generations' thresholds and collects the oldest one a hundred times less often; `start_up_done` (the
 trainer, once built) collects once, freezes what start-up left (the collector never walks it again, as vLLM does with
-its own heap) and puts the default back for the training loop.
+its own heap) and puts the default back for the training loop. At exit (an exit handler) the heap is frozen too: the
+interpreter's last collections would walk all of it (2-3 s of CPU in a process that imported torch and
+Megatron) for memory the exit hands back anyway.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 OLDEST_EVERY = 1000
@@ -23,6 +26,7 @@ def hold_full_collections() -> None:
     """Collect the oldest generation OLDEST_EVERY times less often than after every 10 young collections."""
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, OLDEST_EVERY)
+    atexit.register(gc.freeze)  # the interpreter's teardown then collects none of it
 
 
 def start_up_done() -> None:

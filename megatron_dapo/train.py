@@ -262,7 +262,7 @@ def _train(cfg: Config, stop: StopSignals) -> None:
         stop.running, stop.phase = False, "shut-down"
         if sinks is not None:
             sinks.close()
-        trainer.close()
+        trainer.close(exiting=True)  # main() returns next and the process ends
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -371,13 +371,13 @@ class Trainer:
         every, last = self.cfg.trainer.save_every, self.step == self.cfg.trainer.total_steps
         return (bool(every) and self.step % every == 0) or last
 
-    def close(self) -> None:
+    def close(self, *, exiting: bool = False) -> None:
         """The last call: a colocated engine's shutdown takes torch.distributed's world with it; what is left of the
-        world goes here. Safe on a half-built trainer."""
+        world goes here. Safe on a half-built trainer. exiting: the process ends next (VLLMEngine.close)."""
         from megatron_dapo.model.parallel import destroy_parallel
 
         if self.rollout is not None:
-            self.rollout.close()
+            self.rollout.close(exiting=exiting)
         destroy_parallel()
 
 

@@ -311,7 +311,7 @@ def finish(policy, last: bool) -> None:
 
     if last:
         for engine in _ENGINES.values():
-            engine.close()  # an in-process engine's shutdown destroys the torch.distributed world
+            engine.close(exiting=True)  # the worker ends next; the shutdown destroys the torch.distributed world
         _ENGINES.clear()
         destroy_parallel()
         return

@@ -332,6 +332,39 @@ def test_from_config_maps_the_trainer_sections(monkeypatch):
     assert seen["gpu_memory_utilization"] == 0.4
 
 
+def test_a_close_before_the_process_exits_skips_the_shutdown_s_heap_walks(model_dir, monkeypatch):
+    """vLLM's shutdown unfreezes what start-up froze and collects the whole heap; close(exiting=True) runs it with
+    gc.unfreeze() and gc.collect() doing nothing and puts both back after (tests/test_fp8.py checks it on a real
+    engine); a plain close lets them run: a process that builds another engine gets the memory back."""
+    import gc
+    import types
+
+    import megatron_dapo.rollout.vllm_engine as ve
+
+    class Core:  # as vLLM's EngineCore.shutdown, through the gc module
+        def shutdown(self):
+            gc.unfreeze()
+            gc.collect()
+
+    full = []
+    record = lambda phase, info: full.append(phase) if info["generation"] == 2 else None  # noqa: E731
+    monkeypatch.setattr(ve.VLLMEngine, "_start", lambda self, **kw: types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(engine_core=Core())))  # fmt: skip
+    collect, unfreeze = gc.collect, gc.unfreeze
+    gc.callbacks.append(record)  # the collector's own list (setting the attribute would not reach it)
+    try:
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        ve.VLLMEngine(str(model_dir)).close(exiting=True)
+        assert not full and gc.get_freeze_count() > frozen // 2  # still frozen (less what refcounts freed)
+        assert gc.collect is collect and gc.unfreeze is unfreeze  # put back
+        ve.VLLMEngine(str(model_dir)).close()
+        assert full == ["start", "stop"] and gc.get_freeze_count() == 0
+    finally:
+        gc.callbacks.remove(record)
+        gc.unfreeze()
+
+
 def test_gpu_path_sleeps_streams_buckets_and_wakes_in_order(model_dir, hf_model, prompts, monkeypatch):
     import megatron_dapo.rollout.vllm_engine as ve
 

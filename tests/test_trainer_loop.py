@@ -108,8 +108,8 @@ class StandInRollout:
     def state_dict(self):
         return {"scheduler": {"stand_in": self.batches}, "finished": {}, "partial": {}}
 
-    def close(self) -> None:
-        self.calls.append(["close"])
+    def close(self, *, exiting: bool = False) -> None:
+        self.calls.append(["close", exiting])
 
 
 def drive(model: str, root: str) -> None:
@@ -167,7 +167,7 @@ def drive(model: str, root: str) -> None:
         result["chosen"] = trainer.evaluate(list(trainer.dataset)[:2], k=2)
         result["loader"] = trainer.state_dict()["loader"]
     finally:
-        trainer.close()
+        trainer.close(exiting=True)  # as train.py's last call: the rollout is told the process ends next
     result["calls"] = rollout.calls
     result["weights_changed"] = [rollout.weights[v] != rollout.weights[v - 1] for v in sorted(rollout.weights)[1:]]
     result["tensors"] = len(rollout.weights[0])
@@ -198,7 +198,7 @@ def test_the_loop_drives_a_stand_in_rollout_through_its_protocol(tiny_qwen2, tmp
         ["next_batch", 2],
         ["responses", 2],  # short: the step stops here
         ["evaluated", 2, 2, 2],  # Trainer.evaluate: 2 chosen prompts, the weights last synced
-        ["close"],
+        ["close", True],  # exiting passed on: an engine would skip freeing what the exit frees
     ]
     assert got["tensors"] > 0 and got["weights_changed"] == [True, True]
     steps = got["steps"]

@@ -135,7 +135,7 @@ def main() -> None:
         (out / "phase3.json").write_text(
             json.dumps({"version": version, "error": error, "ids": after.token_ids, "logprobs": after.logprobs})
         )
-        engine.close()
+        engine.close(exiting=True)  # the worker ends next
 
 
 if __name__ == "__main__":

@@ -367,7 +367,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(result, indent=2))
         policy.comm.barrier()
         if trainer:
-            trainer.close()  # vLLM tears down its own groups; before ours go
+            trainer.close(exiting=True)  # vLLM tears down its own groups, before ours go; the process ends next
         destroy_parallel()
 
 

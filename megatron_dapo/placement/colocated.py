@@ -39,10 +39,11 @@ class RolloutParts:
     evaluator: Evaluator
     loader: DynamicSamplingLoader
 
-    def close(self) -> None:
-        """The pool, then the engine (whose shutdown takes torch.distributed's default group with it)."""
+    def close(self, *, exiting: bool = False) -> None:
+        """The pool, then the engine (whose shutdown takes torch.distributed's default group with it). exiting: the
+        process ends next (VLLMEngine.close)."""
         self.pool.close()
-        self.engine.close()
+        self.engine.close(exiting=exiting)
 
 
 def loader_options(cfg: Config) -> dict:
@@ -228,8 +229,8 @@ class ColocatedRollout:
     def state_dict(self) -> LoaderState:
         return self.parts.loader.state_dict()
 
-    def close(self) -> None:
-        self.parts.close()
+    def close(self, *, exiting: bool = False) -> None:
+        self.parts.close(exiting=exiting)
 
 
 def route_shape(model: ModelConfig, dataset: Sequence[Prompt]) -> Optional[Callable[[StepBatch], RouteShape]]:

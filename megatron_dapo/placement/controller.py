@@ -91,7 +91,7 @@ def run_rollout(cfg: Config) -> None:
         serve(cfg, parts.loader, parts.engine, parts.evaluator, batches, WeightReceiver(weights, src=world), comm)
     finally:
         if parts is not None:
-            parts.close()
+            parts.close(exiting=True)  # the rollout process ends here
 
 
 def serve(

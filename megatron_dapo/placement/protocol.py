@@ -53,8 +53,9 @@ class Rollout(Protocol):
         """The loader state after the last batch (what this rank's checkpoint holds; None where it holds none)."""
         ...
 
-    def close(self) -> None:
-        """Stop the engines (or the rollout processes); safe to call once, whatever state they are in."""
+    def close(self, *, exiting: bool = False) -> None:
+        """Stop the engines (or the rollout processes); safe to call once, whatever state they are in. exiting: this
+        process ends next, so an engine here skips freeing memory the exit frees (VLLMEngine.close)."""
         ...
 
 

@@ -163,8 +163,9 @@ class RemoteRollout:
                 )
             time.sleep(self.POLL_S)
 
-    def close(self) -> None:
-        """Tell the controller to stop (it looks between ticks, and while it waits)."""
+    def close(self, *, exiting: bool = False) -> None:
+        """Tell the controller to stop (it looks between ticks, and while it waits). exiting changes nothing here: the
+        engines are the rollout processes', which close them as they exit (controller.run_rollout)."""
         if self.rank == 0:
             with contextlib.suppress(Exception):  # a controller already gone (its store with it) ended the run
                 self.store.set("dapo/stop", "1")
