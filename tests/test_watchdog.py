@@ -185,6 +185,50 @@ def test_the_launcher_wakes_a_lone_stopped_process_kills_it_and_collects_its_sta
     assert json.loads((tmp_path / "stall.json").read_text())["found_by"] == "the launcher"
 
 
+SLOW_WRITER = """
+import signal, sys, time
+def dump(*_):  # a dump that takes 3 s, as a woken process scheduled late on a loaded machine writes one
+    with open(sys.argv[1], "a") as f:
+        for i in range(15):
+            f.write(f"frame {i}\\n"); f.flush(); time.sleep(0.2)
+        f.write("END\\n")
+signal.signal(signal.SIGURG, dump)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_woken_are_waited_for_until_their_stacks_are_written_and_no_longer(tmp_path, monkeypatch):
+    """wake_for_stacks returns once a woken process's stack file grew and then stayed unchanged: a dump written over
+    3 s is there whole (a fixed 2 s cut it short), and one that never comes is waited for WAKE_GRACE_S, no longer."""
+    from megatron_dapo.launch.lifeline import start_time
+
+    (tmp_path / "progress").mkdir()
+    procs = {}
+    for label, code in (("slow", SLOW_WRITER), ("mute", "import time; print('ready', flush=True); time.sleep(60)")):
+        stacks = tmp_path / f"{label}.txt"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(stacks)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        record = {"label": label, "host": watchdog.HOST, "pid": proc.pid, "start": start_time(proc.pid),
+                  "beat": time.time(), "stacks": str(stacks)}  # fmt: skip
+        (tmp_path / "progress" / f"{label}.json").write_text(json.dumps(record))
+        procs[label] = proc
+    try:
+        monkeypatch.setattr(watchdog, "WAKE_GRACE_S", 6.0)
+        t0 = time.monotonic()
+        watchdog.wake_for_stacks(tmp_path, [procs["slow"].pid])
+        took = time.monotonic() - t0
+        assert (tmp_path / "slow.txt").read_text().endswith("frame 14\nEND\n") and 3.0 < took < 5.0, took
+        monkeypatch.setattr(watchdog, "WAKE_GRACE_S", 1.0)
+        t0 = time.monotonic()
+        watchdog.wake_for_stacks(tmp_path, [procs["mute"].pid])
+        assert 1.0 <= time.monotonic() - t0 < 3.0 and not (tmp_path / "mute.txt").exists()
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_the_backstop_dumps_and_ends_a_process_whose_watchdog_cannot_run(tmp_path):
     """The interpreter held by one C call (its watchdog thread never runs): faulthandler's backstop, re-armed at each
     progress point, writes every thread's stack and exits 1; the start-up before it, longer than the backstop and

@@ -48,8 +48,11 @@ STACK_SIGNAL = signal.SIGURG
 registered nothing is unharmed; SIGUSR1 and SIGUSR2 are the stop signals)."""
 LOG_DIR_ENV = "DAPO_LOG_DIR"
 STALL_FILE = "stall.json"
-WAKE_GRACE_S = 2.0
-"""How long a process woken for its stacks has to write them before it is killed."""
+WAKE_GRACE_S = 20.0
+"""The longest a process woken for its stacks is waited for (one stuck in the kernel never writes them; on a loaded
+machine one is scheduled late: two fixed seconds cut a dump short); one that has written them is not waited for."""
+WRITTEN_QUIET_S = 0.5
+"""A woken process has written its stacks once its stack file grew and then stayed this long unchanged."""
 HOST = socket.gethostname()
 
 
@@ -145,13 +148,35 @@ def _alive(record: dict[str, Any]) -> bool:
     return record["host"] == HOST and start_time(record["pid"]) == record.get("start")
 
 
-def wake_for_stacks(pids: Iterable[int]) -> None:
+def wake_for_stacks(log_dir: Path, pids: Iterable[int]) -> None:
     """STACK_SIGNAL, then SIGCONT: a stopped process has the first pending until it is continued, then writes its
-    stacks (faulthandler, in C, before any Python code runs)."""
+    stacks (faulthandler, in C, before any Python code runs). Returns once every one of pids with a record in log_dir
+    has written them (WRITTEN_QUIET_S), or after WAKE_GRACE_S."""
+    pids = set(pids)
+    files = {Path(r["stacks"]) for r in read_records(log_dir) if r["pid"] in pids and _alive(r) and "stacks" in r}
+    seen = {f: _size(f) for f in files}
     for sig in (STACK_SIGNAL, signal.SIGCONT):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
+    grew: dict[Path, float] = {}  # file -> when it last grew
+    deadline = time.monotonic() + WAKE_GRACE_S
+    while files and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = time.monotonic()
+        for f in list(files):
+            size = _size(f)
+            if size != seen[f]:
+                seen[f], grew[f] = size, now
+            elif f in grew and now - grew[f] >= WRITTEN_QUIET_S:
+                files.discard(f)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 class Watchdog:
@@ -247,14 +272,13 @@ class Watchdog:
                 and r["pid"] != os.getpid()
                 and time.time() - r["beat"] > r["deadline"]
             ]
-            wake_for_stacks(stopped)
+            wake_for_stacks(self.log_dir, stopped)
             self.stacks.write(f"--- {self.label}: the run stalled ({stall['line']}) ---\n")
             self.stacks.flush()
             faulthandler.dump_traceback(file=self.stacks, all_threads=True)
             self.stacks.flush()
         with contextlib.suppress(Exception):
             print(f"[{self.label}] error: {stall['line']}", file=sys.stderr, flush=True)
-        time.sleep(WAKE_GRACE_S / 2)  # the woken write their stacks
         kill_descendants()
         os._exit(STALL_EXIT)  # from a thread: the main thread is stuck where the stall left it
 
@@ -284,11 +308,10 @@ def watch_run(log_dir: Path, since: float = 0.0) -> Optional[dict[str, Any]]:
 
 
 def end_stalled(log_dir: Path, pids: list[int], kill: Any) -> str:
-    """Wake pids (the run's processes under this launcher) for their stacks, give them WAKE_GRACE_S, kill them with
-    kill(), collect every stack file into stacks.txt; returns the report: the stall's line, then the stalled
-    process's stacks if this host has them."""
-    wake_for_stacks(pids)
-    time.sleep(WAKE_GRACE_S)
+    """Wake pids (the run's processes under this launcher) for their stacks and wait for them (wake_for_stacks), kill
+    them with kill(), collect every stack file into stacks.txt; returns the report: the stall's line, then the
+    stalled process's stacks if this host has them."""
+    wake_for_stacks(log_dir, pids)
     kill()
     collected = collect_stacks(log_dir)
     stall = read_stall(log_dir) or {}
