@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,3 +93,20 @@ class FakeLLM:
         names = [n for n, _ in weights]
         self.loaded.extend(names)
         self.calls.append((kind, len(names)))
+
+
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[str]]:
+    """The collector's generation-2 collections inside the block, as it reports them ("start", "stop" for each),
+    through its own callback list (setting gc.callbacks to another list would not reach it)."""
+    seen: list[str] = []
+
+    def record(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            seen.append(phase)
+
+    gc.callbacks.append(record)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(record)

@@ -306,7 +306,7 @@ def test_a_quantized_sync_sends_what_the_engine_asks_for(seed, tmp_path, monkeyp
 
 def test_the_cpu_engine_generates_with_exactly_the_fp8_rounded_weights(tiny_qwen2):
     pytest.importorskip("vllm")
-    from rollout_helpers import hf_logprobs, load_hf_model
+    from rollout_helpers import full_collections, hf_logprobs, load_hf_model
 
     from megatron_dapo.rollout import VLLMEngine
 
@@ -322,14 +322,11 @@ def test_the_cpu_engine_generates_with_exactly_the_fp8_rounded_weights(tiny_qwen
         prompts = [[5, 17, 33, 9], [40, 2, 11]]
         groups = eng.generate(prompts, n=3, temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
     finally:  # as a run's last call: vLLM's shutdown runs, but walks no heap (tests/test_rollout.py has the rule)
-        full = []
-        record = lambda phase, info: full.append(phase) if info["generation"] == 2 else None  # noqa: E731
-        gc.callbacks.append(record)
-        try:
-            eng.close(exiting=True)
-        finally:
-            gc.callbacks.remove(record)
-            gc.unfreeze()  # this process goes on: give the collector the heap back
+        with full_collections() as full:
+            try:
+                eng.close(exiting=True)
+            finally:
+                gc.unfreeze()  # this process goes on: give the collector the heap back
     assert not full and eng.llm is None
     rounded = load_hf_model(model_dir, {n: dict(encode(n, t, "fp8_rounded"))[n] for n, t in state.items()})
     to_rounded, to_original = [], []

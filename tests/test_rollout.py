@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from rollout_helpers import (  # noqa: E402
     FakeLLM,
+    full_collections,
     hf_greedy,
     hf_logprobs,
     load_hf_model,
@@ -346,22 +347,19 @@ def test_a_close_before_the_process_exits_skips_the_shutdown_s_heap_walks(model_
             gc.unfreeze()
             gc.collect()
 
-    full = []
-    record = lambda phase, info: full.append(phase) if info["generation"] == 2 else None  # noqa: E731
     monkeypatch.setattr(ve.VLLMEngine, "_start", lambda self, **kw: types.SimpleNamespace(
         llm_engine=types.SimpleNamespace(engine_core=Core())))  # fmt: skip
     collect, unfreeze = gc.collect, gc.unfreeze
-    gc.callbacks.append(record)  # the collector's own list (setting the attribute would not reach it)
     try:
-        gc.freeze()
-        frozen = gc.get_freeze_count()
-        ve.VLLMEngine(str(model_dir)).close(exiting=True)
-        assert not full and gc.get_freeze_count() > frozen // 2  # still frozen (less what refcounts freed)
-        assert gc.collect is collect and gc.unfreeze is unfreeze  # put back
-        ve.VLLMEngine(str(model_dir)).close()
-        assert full == ["start", "stop"] and gc.get_freeze_count() == 0
+        with full_collections() as full:
+            gc.freeze()
+            frozen = gc.get_freeze_count()
+            ve.VLLMEngine(str(model_dir)).close(exiting=True)
+            assert not full and gc.get_freeze_count() > frozen // 2  # still frozen (less what refcounts freed)
+            assert gc.collect is collect and gc.unfreeze is unfreeze  # put back
+            ve.VLLMEngine(str(model_dir)).close()
+            assert full == ["start", "stop"] and gc.get_freeze_count() == 0
     finally:
-        gc.callbacks.remove(record)
         gc.unfreeze()
 
 
