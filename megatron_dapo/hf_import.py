@@ -34,6 +34,7 @@ from pathlib import Path
 from megatron_dapo.cli import argument_parser, quiet_libraries, run_cli, tool_log
 from megatron_dapo.config import DTYPES
 from megatron_dapo.convert.common import ConvertError
+from megatron_dapo.launch import torchrun
 
 _CHECKED_ENV = "MEGATRON_DAPO_CONVERT_RELAUNCHED"
 
@@ -128,19 +129,10 @@ def validate(args: argparse.Namespace):
 
 
 def relaunch(argv: list[str], nproc: int) -> int:
-    """Run this module again under torch.distributed.run with nproc processes; returns its exit code."""
+    """Run this module again under torchrun with nproc processes; returns its exit code."""
     import torch
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # the rendezvous store binds port 0 itself: no free-port race with parallel launches
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "megatron_dapo.hf_import",
-        *argv,
-    ]
+    cmd = [*torchrun.command(nproc), "-m", "megatron_dapo.hf_import", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _CHECKED_ENV: "1"}
     where = "CPU (gloo)"
     if torch.cuda.is_available() and torch.cuda.device_count() >= nproc:

@@ -32,6 +32,8 @@ import sys
 import types
 from pathlib import Path
 
+from megatron_dapo.launch import torchrun
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / "tools"
 
@@ -101,8 +103,7 @@ def training_checkpoint(hf_dir: Path, run: Path, out: Path, nproc: int, *overrid
     """Run this file's train-checkpoint worker on nproc ranks; returns the checkpointed weights {HF name: tensor}."""
     import torch
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [__file__, "train-checkpoint", str(hf_dir), str(run), str(out), *overrides]
+    cmd = [*torchrun.command(nproc), __file__, "train-checkpoint", str(hf_dir), str(run), str(out), *overrides]
     proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"train-checkpoint worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return torch.load(out)

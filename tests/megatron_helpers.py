@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_dapo.convert.layouts import hf_to_megatron
+from megatron_dapo.launch import torchrun
 from megatron_dapo.model.arch import ModelArch
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
@@ -179,7 +179,7 @@ def run_worker(case: Path, out: Path, nproc: int, *args: str) -> dict:
 
 def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
+    cmd = [*torchrun.command(nproc), str(WORKER)]
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.launch import torchrun
 from megatron_dapo.timing import comparable  # noqa: F401  (the tests import it from here, beside metrics())
 
 
@@ -27,7 +28,7 @@ def run_train(
     if launcher is not None:
         launch = [sys.executable, "-m", "megatron_dapo.launch", launcher]
     elif nproc > 1:  # --standalone: a local rendezvous on a free port
-        launch[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        launch[:1] = torchrun.command(nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.run([*launch, *overrides], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from exchange_worker import G, meta, response
 
+from megatron_dapo.launch import torchrun
 from megatron_dapo.model.comm import Comm
 from megatron_dapo.sampling.exchange import meta_width, metas_to_rows, rows_to_metas
 
@@ -33,7 +33,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     """exchange_worker.py under torchrun, 2 ranks with gloo, every case in one launch: what each rank wrote."""
     out = tmp_path_factory.mktemp("exchange")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = torchrun.command(2)
     proc = subprocess.run(
         [*cmd, str(HERE / "exchange_worker.py"), str(out)], env=env, capture_output=True, text=True, timeout=300
     )

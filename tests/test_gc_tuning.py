@@ -5,6 +5,7 @@ one's collector is pytest's)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,28 @@ def test_start_up_holds_full_collections_then_freezes_and_restores_the_defaults(
     assert got["frozen"] >= 1000  # everything alive (the 1000 kept objects among it) out of the collector's walk
     # at exit the rest is frozen too: the interpreter's teardown walks none of it (2-3 s of CPU after torch, Megatron)
     assert end["frozen_at_exit"] > got["frozen"] + 900  # the 1000 lists built after (less a few freed since)
+
+
+AGENT_PROBE = """
+import atexit, gc, json, os, sys
+def report():  # registered before anything else: runs after every other exit handler
+    if sys.argv[0].endswith(os.path.join("launch", "torchrun.py")):
+        print(json.dumps({"agent_frozen_at_exit": gc.get_freeze_count()}), flush=True)
+atexit.register(report)
+"""
+
+
+def test_the_launchers_torchrun_agent_runs_the_ranks_and_exits_with_its_heap_frozen(tmp_path):
+    from megatron_dapo.launch import torchrun
+
+    (tmp_path / "sitecustomize.py").write_text(AGENT_PROBE)  # imported by every interpreter started below
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([*torchrun.command(2), str(rank)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sorted(line for line in lines if line.startswith("rank")) == ["rank 0 of 2", "rank 1 of 2"]
+    (agent,) = [json.loads(line) for line in lines if line.startswith("{")]
+    # torch's agent, imported after the package: all of torch's heap frozen, none of it walked at exit
+    assert agent["agent_frozen_at_exit"] > 100_000

@@ -340,7 +340,7 @@ def _kill_launcher(cmd: list[str], env: dict[str, str], run: Path, log: Path, af
         under = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         before = tagged(tag)
         assert under <= set(before) and len(before) >= 3, before  # every descendant tagged: sides, ranks, workers
-        assert sum("torch.distributed.run" in c for c in before.values()) == 1, before  # torchrun's agent
+        assert sum("megatron_dapo.launch.torchrun" in c for c in before.values()) == 1, before  # torchrun's agent
         assert sum("LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_text() for pid in before) >= 2, before
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)

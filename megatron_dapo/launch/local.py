@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.launch import torchrun
 from megatron_dapo.launch.lifeline import die_with_parent, launcher_env
 from megatron_dapo.launch.procs import WORLD_ENV, free_port_pair, kill_tree, tree_pids
 from megatron_dapo.launch.watchdog import LOG_DIR_ENV, STALL_EXIT, end_stalled, read_stall, run_log_dir, watch_run
@@ -74,8 +75,7 @@ def train_command(args: list[str], procs: int) -> list[str]:
     several (--standalone: a local rendezvous on a free port, a torch.distributed world of its own)."""
     if procs == 1:
         return [sys.executable, "-m", "megatron_dapo.train", *args]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    return [*torchrun, "-m", "megatron_dapo.train", *args]
+    return [*torchrun.command(procs), "-m", "megatron_dapo.train", *args]
 
 
 def start_side(cmd: list[str], env: dict[str, str], procs: int) -> subprocess.Popen:

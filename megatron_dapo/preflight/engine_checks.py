@@ -344,6 +344,7 @@ def _train_e2e(tmp: Path) -> Result:
     import time
 
     from megatron_dapo.data.generator import generate_rows, write_jsonl
+    from megatron_dapo.launch import torchrun
     from megatron_dapo.launch.procs import free_port_pair
     from megatron_dapo.model.tiny import build_tiny_qwen2
     from megatron_dapo.placement.transport import ROLE_ENV, TRAIN_PROCS_ENV, TRANSPORT_ENV
@@ -378,8 +379,8 @@ def _train_e2e(tmp: Path) -> Result:
         args = [*overrides, f"trainer.run_dir={run}"]
         t0 = time.perf_counter()
         if mode == "colocated":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m"]
-            proc = subprocess.run([*cmd, "megatron_dapo.train", *args], env=env, capture_output=True, text=True)
+            cmd = [*torchrun.command(1), "-m", "megatron_dapo.train"]
+            proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True)
             code, log = proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:]
         else:
             split = ["pipeline.mode=async", "pipeline.weights_backend=gloo"]
