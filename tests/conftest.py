@@ -108,6 +108,7 @@ MEGATRON_JOB_FILES = (
     "test_model_parallel.py",
     "test_moe.py",
     "test_weight_bridge.py",
+    "test_fp8.py",
     "test_rollout_sync.py",
     "test_smollm2.py",
 )
@@ -123,7 +124,6 @@ LONGEST_FILES = (
     MEGATRON_JOB_FILES,  # the longest of make test-fast
     "test_convert.py",
     "test_preflight.py",
-    "test_fp8.py",
     "test_tools_bench.py",
     "test_demo.py",
     "test_reward_fuzz.py",

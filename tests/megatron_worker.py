@@ -9,9 +9,9 @@ from --case and writes what it measured to --out/rank{RANK}.pt:
   TP-replicated tensors (norms; Qwen3's q/k norms) differ between the TP ranks after the step;
   with a rollout correction on, rollout logprobs too: old logprobs + the batch's rollout_offset;
 - steps: --steps on-policy train steps; response logprobs before and after.
-- bridge: the weight bridge's Hugging Face tensors and bucket sizes, and the peak resident
-  memory the sync added (VmHWM reset before it, against VmRSS before it). BRIDGE_FORMAT names the
-  weight format the receiving end asks for (rollout/quantize.py: none, fp8, fp8_rounded).
+- bridge: the weight bridge's Hugging Face tensors (their shapes alone with --bridge-shapes-only) and bucket sizes,
+  and the peak resident memory the sync added (VmHWM reset before it, against VmRSS before it). --bridge-format
+  names the weight format the receiving end asks for (rollout/quantize.py: none, fp8, fp8_rounded).
 - serve: a vLLM engine started from random weights (load_format=dummy) gets the policy's weights
   through the bridge, then generates greedily (no training). Engines run in-process, one per rank.
 - resume: checkpoint before any update, train, checkpoint, train on; a fresh policy resumed from the checkpoint
@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
         choices=("logprobs", "train", "steps", "bridge", "vllm", "serve", "resume", "nan", "attention", "routes"),
         default="train",
     )
+    ap.add_argument("--bridge-format", default="none", help="bridge: the weight format the engine asks for")
+    ap.add_argument("--bridge-shapes-only", action="store_true", help="bridge: keep no tensor, only its shape")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
@@ -142,7 +144,7 @@ def run_job(args: argparse.Namespace, last: bool) -> None:
         finish(policy, last)
         return
     if args.mode == "bridge":
-        result.update(bridge(policy, cfg, arch, layout))
+        result.update(bridge(policy, cfg, arch, layout, args.bridge_format, not args.bridge_shapes_only))
         if layout.rank == 0:
             torch.save(result, os.path.join(args.out, "rank0.pt"))
         finish(policy, last)
@@ -492,14 +494,13 @@ class _Collector:
         pass
 
 
-def bridge(policy, cfg, arch, layout) -> dict:
+def bridge(policy, cfg, arch, layout, weight_format: str, keep: bool) -> dict:
     import gc
 
     from megatron_dapo.rollout.weight_bridge import WeightBridge
 
     wb = WeightBridge(policy.model, arch, layout, bucket_bytes=cfg.rollout.bucket_bytes)
-    keep = os.environ.get("BRIDGE_KEEP", "1") == "1"
-    sink = _Collector(keep, os.environ.get("BRIDGE_FORMAT", "none"))
+    sink = _Collector(keep, weight_format)
     gc.collect()
     rss_before = _proc_status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

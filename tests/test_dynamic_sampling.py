@@ -773,46 +773,18 @@ def test_async_tokens_are_tagged_by_the_weights_and_counted_by_the_step_that_mad
 
 def test_shortfall_error_or_train(pool):
     script = correct_first(lambda i: 2 if i % 10 == 0 else G)  # 1 in 10 informative
+
+    def short(mode: str, **kw):  # two generation batches of 5 prompts hold 1 informative group, not the 5 it needs
+        kw = dict(mode=mode, train_batch_size=5, gen_batch_size=5, max_gen_batches=2, shuffle=False, **kw)
+        return loader(make_dataset(40), ScriptedEngine(script), pool, **kw)
+
     for mode in ("stream", "fill"):
-        ds = loader(
-            make_dataset(40),
-            ScriptedEngine(script),
-            pool,
-            mode=mode,
-            train_batch_size=5,
-            gen_batch_size=5,
-            max_gen_batches=2,
-            shuffle=False,
-        )
         with pytest.raises(DynamicSamplingError, match="only 1 of sampler.train_batch_size=5"):
-            ds.next_batch()
-        ds = loader(
-            make_dataset(40),
-            ScriptedEngine(script),
-            pool,
-            mode=mode,
-            train_batch_size=5,
-            gen_batch_size=5,
-            max_gen_batches=2,
-            shuffle=False,
-            on_shortfall="train",
-        )
-        b = ds.next_batch()
+            short(mode).next_batch()
+        b = short(mode, on_shortfall="train").next_batch()
         assert len(b.groups) == 1 and b.stats["sampler/shortfall"] == 1.0
-        ds = loader(
-            make_dataset(40),
-            ScriptedEngine(script),
-            pool,
-            mode=mode,
-            train_batch_size=5,
-            gen_batch_size=5,
-            max_gen_batches=2,
-            shuffle=False,
-            on_shortfall="train",
-            min_groups=2,
-        )
         with pytest.raises(DynamicSamplingError):
-            ds.next_batch()
+            short(mode, on_shortfall="train", min_groups=2).next_batch()
     with pytest.raises(ConfigError, match="sampler.min_groups=9"):
         load_config(overrides=["sampler.train_batch_size=8", "sampler.min_groups=9"])
     with pytest.raises(ConfigError, match="sampler.on_shortfall='skip'"):

@@ -244,17 +244,28 @@ def fp8_friendly_qwen2(seed: int):
     return random_model(Qwen2ForCausalLM, config, seed)
 
 
+BRIDGE_SEED = 7
+BUCKET = 300_000  # bytes: several buckets; the largest tensors (embedding, lm_head: fp32 256 KB) fit
+
+
+def megatron_jobs(root: Path) -> dict:
+    """The bridge's FP8 sync of fp8_friendly_qwen2(BRIDGE_SEED), in the test run's one-rank launch
+    (tests/conftest.py megatron_runs)."""
+    from megatron_helpers import Job, random_batch, save_case
+
+    case = save_case(fp8_friendly_qwen2(BRIDGE_SEED), random_batch(2, 16, 250, seed=BRIDGE_SEED), root / "case")
+    args = ("--mode", "bridge", "--bridge-format", "fp8", f"rollout.bucket_bytes={BUCKET}")
+    return {"bridge": Job(1, case, args, slow=True)}  # the batch is unused by the bridge
+
+
 @pytest.mark.slow
-def test_a_quantized_sync_sends_what_the_engine_asks_for(seed, tmp_path, monkeypatch):
+def test_a_quantized_sync_sends_what_the_engine_asks_for(ran, tmp_path):
     """The Megatron bridge's FP8 sync against what an FP8 engine asks for and against vLLM's own loader. (The
     fp8_rounded format goes through the same encode(): the CPU engine and trainer tests run it end to end.)"""
-    from megatron_helpers import random_batch, run_worker, save_case
+    from megatron_helpers import result
 
-    model = fp8_friendly_qwen2(seed)
-    case = save_case(model, random_batch(2, 16, 250, seed=seed), tmp_path / "case")  # unused by the bridge
-    bucket = 300_000  # bytes: several buckets; the largest tensors (embedding, lm_head: fp32 256 KB) fit
-    monkeypatch.setenv("BRIDGE_FORMAT", "fp8")
-    got = run_worker(case, tmp_path / "out", 1, "--mode", "bridge", f"rollout.bucket_bytes={bucket}")
+    model = fp8_friendly_qwen2(BRIDGE_SEED)  # the job's model, drawn again
+    got = result(ran, "bridge")
     hf = model.state_dict()
     shapes = {n: tuple(t.shape) for n, t in hf.items()}
     assert {n: tuple(t.shape) for n, t in got["hf"].items()} == fp8_shapes(shapes)
@@ -262,11 +273,12 @@ def test_a_quantized_sync_sends_what_the_engine_asks_for(seed, tmp_path, monkeyp
         for n, want in encode(name, t, "fp8"):
             assert same(got["hf"][n], want), n
     sent = sum(t.numel() * t.element_size() for t in got["hf"].values())
-    assert sum(got["bucket_bytes"]) == sent and max(got["bucket_bytes"]) <= bucket and len(got["bucket_bytes"]) >= 3
+    assert sum(got["bucket_bytes"]) == sent and max(got["bucket_bytes"]) <= BUCKET and len(got["bucket_bytes"]) >= 3
     assert got["sync"]["weight_sync/quantize_seconds"] > 0
     # vLLM's own Qwen2 with the block-FP8 config takes exactly these tensors, every parameter filled
-    tensors, out = tmp_path / "tensors.pt", tmp_path / "vllm.pt"
+    tensors, out, case = tmp_path / "tensors.pt", tmp_path / "vllm.pt", tmp_path / "case"
     torch.save(got["hf"], tensors)
+    model.config.save_pretrained(case)  # what the loader reads of the model
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, str(LOADER), str(case), str(tensors), str(out)],
