@@ -48,13 +48,13 @@ def test_the_launchers_torchrun_agent_runs_the_ranks_and_exits_with_its_heap_fro
     from megatron_dapo.launch import torchrun
 
     (tmp_path / "sitecustomize.py").write_text(AGENT_PROBE)  # imported by every interpreter started below
-    rank = tmp_path / "rank.py"
-    rank.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n")
+    rank = tmp_path / "rank.py"  # each rank names itself in a file of its own (the ranks share one stdout)
+    rank.write_text(f"import os\nopen(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write("
+                    "os.environ['WORLD_SIZE'])\n")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([*torchrun.command(2), str(rank)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert sorted(line for line in lines if line.startswith("rank")) == ["rank 0 of 2", "rank 1 of 2"]
-    (agent,) = [json.loads(line) for line in lines if line.startswith("{")]
+    assert {f.name: f.read_text() for f in tmp_path.glob("rank?")} == {"rank0": "2", "rank1": "2"}
+    (agent,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     # torch's agent, imported after the package: all of torch's heap frozen, none of it walked at exit
     assert agent["agent_frozen_at_exit"] > 100_000
