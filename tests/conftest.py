@@ -14,6 +14,8 @@ import pytest
 # it starts), so `algorithm.loss_impl=auto` exercises the fused kernel on CPU too.
 os.environ["TRITON_INTERPRET"] = "1"
 
+pytest_plugins = ["rollout_helpers"]  # the engine test files' module fixtures (imported after the line above)
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("megatron-dapo")

@@ -1,4 +1,6 @@
-"""Transformers references for the rollout tests (the tiny model itself: megatron_dapo.model.tiny)."""
+"""Transformers references for the rollout tests (the tiny model itself: megatron_dapo.model.tiny), and the module
+fixtures of the engine test files (tests/test_rollout.py, tests/test_rollout_stream.py; a plugin of tests/conftest.py):
+the tiny Qwen2, its tokenizer, its transformers model and a float32 engine serving it, each built once per module."""
 
 from __future__ import annotations
 
@@ -7,7 +9,38 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_qwen2):
+    return tiny_qwen2()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return load_hf_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """One engine for the module (vLLM's start-up is the slow part): a test that changes its weights puts them back."""
+    from megatron_dapo.rollout import VLLMEngine
+
+    rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
+    eng = VLLMEngine(str(model_dir), dtype="float32", max_model_len=256, seed=0)
+    # the in-process engine reseeds the global RNGs and stubs out torch.set_num_threads: undone by the engine
+    assert torch.equal(torch.random.get_rng_state(), rng) and torch.set_num_threads is set_num_threads
+    yield eng
+    eng.close()
 
 
 def load_hf_model(model_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None):

@@ -159,6 +159,18 @@ def test_saved_for_backward_is_the_logits_and_row_vectors(seed, monkeypatch, dty
     x = logits.clone().requires_grad_()
     saved: list[torch.Tensor] = []
 
+    def large() -> dict[int, torch.Tensor]:  # tensors of at least [N, V] ending in V or the hidden width, by id
+        return {
+            id(o): o
+            for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor)  # type(): isinstance would touch deprecated proxies
+            and o.layout == torch.strided
+            and o.numel() >= b * t * vocab
+            and o.shape[-1] in (vocab, width)
+        }
+
+    before = large()  # what earlier tests keep (the shared Megatron launch's results), held: no id reused
+
     def pack(tensor):
         saved.append(tensor)
         return tensor
@@ -176,12 +188,8 @@ def test_saved_for_backward_is_the_logits_and_row_vectors(seed, monkeypatch, dty
     inputs_storage = {logits.untyped_storage().data_ptr(), logits_storage}
     alive = [
         (o.dtype, tuple(o.shape))
-        for o in gc.get_objects()
-        if issubclass(type(o), torch.Tensor)  # type(): isinstance would touch deprecated proxies
-        and o.layout == torch.strided
-        and o.numel() >= n * vocab
-        and o.shape[-1] in (vocab, width)
-        and o.untyped_storage().data_ptr() not in inputs_storage
+        for i, o in large().items()
+        if i not in before and o.untyped_storage().data_ptr() not in inputs_storage
     ]
     assert alive == []
     (logp * grad).sum().backward()

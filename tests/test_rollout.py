@@ -35,33 +35,6 @@ ATOL = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_qwen2):
-    return tiny_qwen2()
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return load_hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
-    eng = VLLMEngine(str(model_dir), dtype="float32", max_model_len=256, seed=0)
-    # the in-process engine reseeds the global RNGs and stubs out torch.set_num_threads: undone by the engine
-    assert torch.equal(torch.random.get_rng_state(), rng) and torch.set_num_threads is set_num_threads
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
 def prompts(tok):
     texts = ["What is 12 + 30?", "Compute 7 * 6.", "The sum of the first ten positive integers"]
     chat = tok.apply_chat_template([{"role": "user", "content": texts[0]}], add_generation_prompt=True, tokenize=False)

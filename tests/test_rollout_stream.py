@@ -18,36 +18,12 @@ pytest.importorskip("vllm")
 
 from rollout_helpers import hf_logprobs, load_hf_model, perturbed_state_dict  # noqa: E402
 
-from megatron_dapo.rollout import GroupRequest, StreamingEngine, VLLMEngine, continuation_seed  # noqa: E402
+from megatron_dapo.rollout import GroupRequest, StreamingEngine, continuation_seed  # noqa: E402
 from megatron_dapo.types import Response  # noqa: E402
 
 ATOL_SAME = 1e-6  # streamed vs batch-generated logprobs: the same engine, the same seeds (measured: exactly equal)
 ATOL_HF = 1e-4  # float32 engine vs float32 transformers: measured <= 1e-5 on this model
 MAX_STEPS = 500  # a stream that has not drained by then is stuck
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_qwen2):
-    return tiny_qwen2()
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return load_hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = VLLMEngine(str(model_dir), dtype="float32", max_model_len=256, seed=0)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(autouse=True)
