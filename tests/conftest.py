@@ -132,6 +132,16 @@ LONGEST_FILES = (
     "test_eval.py",
     "test_rollout.py",
     "test_kernel.py",
+    # the next tier, so that what ends the run on each worker is a file of a few seconds
+    "test_sampler_sim.py",
+    "test_weight_transport.py",
+    "test_sim_pipeline.py",
+    "test_dynamic_sampling.py",
+    "test_watchdog.py",  # mostly waits on processes it stopped: best beside the other worker's computing, not last
+    "test_reward.py",
+    "test_rollout_stream.py",
+    "test_trainer_loop.py",
+    "test_exchange.py",
 )
 
 
