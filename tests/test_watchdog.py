@@ -103,7 +103,18 @@ from megatron_dapo import progress
 from megatron_dapo.launch.watchdog import Watchdog
 
 log_dir, label, deadline = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-Watchdog(log_dir, label, deadline, backstop_s=float(sys.argv[4])).start()
+dog = Watchdog(log_dir, label, deadline, backstop_s=float(sys.argv[4])).start()
+if sys.argv[5] == "slow-dump":  # woken, its stacks take 3 s to write (a thread scheduled late on a loaded machine)
+    import signal
+    from megatron_dapo.launch.watchdog import STACK_SIGNAL
+
+    def dump(*_):
+        with open(dog.stack_path, "a") as f:
+            for i in range(15):
+                f.write(f"frame {i}\\n"); f.flush(); time.sleep(0.2)
+            f.write("END\\n")
+
+    signal.signal(STACK_SIGNAL, dump)
 if sys.argv[5] == "hold":
     time.sleep(2.5)  # start-up (a model loading) for longer than the backstop, which leaves start-up alone
 progress.set_phase("work", step=1)
@@ -161,6 +172,19 @@ def test_a_peer_names_the_stopped_process_wakes_it_for_its_stacks_and_both_exit(
     assert stacks["rank0"].startswith("--- rank 0: the run stalled (stall: rank 1 ")  # its own, at the stall
     records = {r["label"]: r for r in watchdog.read_records(tmp_path)}
     assert records["rank 1"]["phase"] == "work" and records["rank 0"]["counter"] > 20
+
+
+def test_a_woken_process_ends_itself_only_once_its_stacks_are_written(tmp_path):
+    """The stopped rank, continued, finds the stall that names it and exits 75, but not before the stacks it was
+    woken for are written whole: they are written in another thread (faulthandler's, on a real process), and an exit
+    while they are being written cuts them short (the end-to-end tests' flake: 117 bytes of a dump)."""
+    deadline = 1.0
+    a = _stand_in(tmp_path, "rank 0", deadline)
+    b = _stand_in(tmp_path, "rank 1", deadline, how="slow-dump", fault="stop:tick:1:10@rank1")
+    err_a, err_b = _reap(a, b, timeout=deadline + 30)
+    assert (a.returncode, b.returncode) == (STALL_EXIT, STALL_EXIT), err_a + err_b
+    [stacks] = [p.read_text() for p in (tmp_path / "stacks").glob("rank1-*.txt")]
+    assert stacks.endswith("frame 14\nEND\n"), stacks
 
 
 def test_the_launcher_wakes_a_lone_stopped_process_kills_it_and_collects_its_stacks(tmp_path, capsys):

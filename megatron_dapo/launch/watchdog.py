@@ -151,7 +151,7 @@ def _alive(record: dict[str, Any]) -> bool:
 def wake_for_stacks(log_dir: Path, pids: Iterable[int]) -> None:
     """STACK_SIGNAL, then SIGCONT: a stopped process has the first pending until it is continued, then writes its
     stacks (faulthandler, in C, before any Python code runs). Returns once every one of pids with a record in log_dir
-    has written them (WRITTEN_QUIET_S), or after WAKE_GRACE_S."""
+    has written them (wait_written)."""
     pids = set(pids)
     files = {Path(r["stacks"]) for r in read_records(log_dir) if r["pid"] in pids and _alive(r) and "stacks" in r}
     seen = {f: _size(f) for f in files}
@@ -159,17 +159,23 @@ def wake_for_stacks(log_dir: Path, pids: Iterable[int]) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
-    grew: dict[Path, float] = {}  # file -> when it last grew
+    wait_written(seen)
+
+
+def wait_written(seen: dict[Path, int]) -> None:
+    """Returns once each file has grown from its size in seen and then stayed unchanged WRITTEN_QUIET_S (a dump written
+    whole), or after WAKE_GRACE_S (a process that never writes)."""
+    pending, grew = dict(seen), {}  # file -> its last size; file -> when it last grew
     deadline = time.monotonic() + WAKE_GRACE_S
-    while files and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline:
         time.sleep(0.05)
         now = time.monotonic()
-        for f in list(files):
+        for f in list(pending):
             size = _size(f)
-            if size != seen[f]:
-                seen[f], grew[f] = size, now
+            if size != pending[f]:
+                pending[f], grew[f] = size, now
             elif f in grew and now - grew[f] >= WRITTEN_QUIET_S:
-                files.discard(f)
+                del pending[f]
 
 
 def _size(path: Path) -> int:
@@ -199,6 +205,7 @@ class Watchdog:
         progress.STATE.fault_marker = fault_marker
         progress.arm_backstop(backstop_s, self.stacks)
         self.exited = False
+        self.stacks_size = _size(self.stack_path)
         self.started = time.time()  # what the folder holds from before (an earlier run's) is not this run's
         self._publishing = threading.Lock()  # the thread and stop() both publish
         self._stop = threading.Event()
@@ -244,7 +251,10 @@ class Watchdog:
 
     def _run(self) -> None:
         checked = 0.0
-        while not self._stop.wait(self.publish_s):
+        while True:
+            self.stacks_size = _size(self.stack_path)  # before a stop: what the dump written once woken grows from
+            if self._stop.wait(self.publish_s):
+                return
             self.publish()
             now = time.time()
             if now - checked < self.check_s:
@@ -263,7 +273,9 @@ class Watchdog:
         one line, stop its children, exit STALL_EXIT."""
         culprit = stall["culprit"]
         me = culprit["host"] == HOST and culprit["pid"] == os.getpid()
-        if not self.exited and not (me and not stall["running"]):  # a woken culprit's stacks are written already
+        if me and not stall["running"]:  # woken: faulthandler writes its stacks in another thread, which exit would cut
+            wait_written({self.stack_path: self.stacks_size})
+        elif not self.exited:
             stopped = [
                 r["pid"]
                 for r in read_records(self.log_dir, self.started)
