@@ -96,7 +96,17 @@ def test_a_fault_fires_at_its_place_for_its_process_once_per_run(tmp_path, monke
 
 # ---------------------------------------------------------------- real processes (no torch)
 
-_STAND_IN = """
+_SLOW_DUMP = """
+def slow_dump(path):  # stacks that take 3 s to write, as a woken process scheduled late on a loaded machine writes them
+    with open(path, "a") as f:
+        for i in range(15):
+            f.write(f"frame {i}\\n"); f.flush(); time.sleep(0.2)
+        f.write("END\\n")
+"""
+
+_STAND_IN = (
+    _SLOW_DUMP
+    + """
 import sys, time
 from pathlib import Path
 from megatron_dapo import progress
@@ -104,17 +114,11 @@ from megatron_dapo.launch.watchdog import Watchdog
 
 log_dir, label, deadline = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 dog = Watchdog(log_dir, label, deadline, backstop_s=float(sys.argv[4])).start()
-if sys.argv[5] == "slow-dump":  # woken, its stacks take 3 s to write (a thread scheduled late on a loaded machine)
+if sys.argv[5] == "slow-dump":  # woken, it writes its stacks as a thread scheduled late does
     import signal
     from megatron_dapo.launch.watchdog import STACK_SIGNAL
 
-    def dump(*_):
-        with open(dog.stack_path, "a") as f:
-            for i in range(15):
-                f.write(f"frame {i}\\n"); f.flush(); time.sleep(0.2)
-            f.write("END\\n")
-
-    signal.signal(STACK_SIGNAL, dump)
+    signal.signal(STACK_SIGNAL, lambda *_: slow_dump(dog.stack_path))
 if sys.argv[5] == "hold":
     time.sleep(2.5)  # start-up (a model loading) for longer than the backstop, which leaves start-up alone
 progress.set_phase("work", step=1)
@@ -132,12 +136,20 @@ def work():
 
 work()
 """
+)
 
 
 def _stand_in(log_dir: Path, label: str, deadline: float, backstop: float = 60, how: str = "run", fault: str = ""):
     env = {**os.environ, "PYTHONPATH": python_path(REPO), progress.FAULT_ENV: fault}
     cmd = [sys.executable, "-c", _STAND_IN, str(log_dir), label, str(deadline), str(backstop), how]
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _watching(log_dir: Path, proc: subprocess.Popen) -> None:
+    """Until proc's watchdog has published: a peer that stopped before it started would be an earlier run's to it."""
+    wait_until(
+        lambda: any((log_dir / "progress").glob(f"*-{proc.pid}.json")), timeout=60, what="its watchdog", proc=proc
+    )
 
 
 def _reap(*procs: subprocess.Popen, timeout: float) -> list[str]:
@@ -157,6 +169,7 @@ def test_a_peer_names_the_stopped_process_wakes_it_for_its_stacks_and_both_exit(
     writes its stacks as stopped) and exits 75 with one line; rank 1, continued, sees the stall and exits 75."""
     deadline = 2.0
     a = _stand_in(tmp_path, "rank 0", deadline)
+    _watching(tmp_path, a)
     b = _stand_in(tmp_path, "rank 1", deadline, fault="stop:tick:1:20@rank1")
     wait_until(lambda: b.poll() is None and _status(b.pid) == "T", timeout=60, what="rank 1 stopped")
     stopped_at = time.monotonic()
@@ -180,6 +193,7 @@ def test_a_woken_process_ends_itself_only_once_its_stacks_are_written(tmp_path):
     while they are being written cuts them short (the end-to-end tests' flake: 117 bytes of a dump)."""
     deadline = 1.0
     a = _stand_in(tmp_path, "rank 0", deadline)
+    _watching(tmp_path, a)
     b = _stand_in(tmp_path, "rank 1", deadline, how="slow-dump", fault="stop:tick:1:10@rank1")
     err_a, err_b = _reap(a, b, timeout=deadline + 30)
     assert (a.returncode, b.returncode) == (STALL_EXIT, STALL_EXIT), err_a + err_b
@@ -209,17 +223,15 @@ def test_the_launcher_wakes_a_lone_stopped_process_kills_it_and_collects_its_sta
     assert json.loads((tmp_path / "stall.json").read_text())["found_by"] == "the launcher"
 
 
-SLOW_WRITER = """
+SLOW_WRITER = (
+    _SLOW_DUMP
+    + """
 import signal, sys, time
-def dump(*_):  # a dump that takes 3 s, as a woken process scheduled late on a loaded machine writes one
-    with open(sys.argv[1], "a") as f:
-        for i in range(15):
-            f.write(f"frame {i}\\n"); f.flush(); time.sleep(0.2)
-        f.write("END\\n")
-signal.signal(signal.SIGURG, dump)
+signal.signal(signal.SIGURG, lambda *_: slow_dump(sys.argv[1]))
 print("ready", flush=True)
 time.sleep(60)
 """
+)
 
 
 def test_the_woken_are_waited_for_until_their_stacks_are_written_and_no_longer(tmp_path, monkeypatch):
